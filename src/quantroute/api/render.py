@@ -1,0 +1,171 @@
+"""Engine events to OpenAI's wire format: chat and text completions, chunks
+for streams and whole objects otherwise."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from quantroute.api.service import Run
+from quantroute.engines.base import FinishEvent, TokenEvent
+
+
+@dataclass(slots=True)
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    offset: int = 0
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+
+class ResponseRenderer:
+    """Builds the JSON objects for one run, stream or whole."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.chat = run.job.kind == "chat"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + run.job.id
+        self.created = int(time.time())
+        self.model = run.branch.id
+        self.choices = [_Choice() for _ in run.job.requests]
+
+    # -- shared ---------------------------------------------------------------
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": f"quantroute-{self.run.branch.artifact.sha256[:12]}",
+        }
+
+    def usage(self) -> dict[str, int]:
+        # The n choices of one prompt share it: count each prompt once.
+        prompt = sum(self.run.prompt_tokens[:: self.run.job.n])
+        completion = sum(c.completion_tokens for c in self.choices)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def _logprob_entry(self, choice: _Choice, event: TokenEvent) -> dict[str, Any] | None:
+        if event.logprob is None:
+            return None
+        piece = event.piece or ""
+        if self.chat:
+            return {
+                "token": piece,
+                "logprob": event.logprob,
+                "bytes": list(piece.encode()),
+                "top_logprobs": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode())}
+                    for _, t, lp in event.top_logprobs
+                ],
+            }
+        entry = {
+            "token": piece,
+            "logprob": event.logprob,
+            "offset": choice.offset,
+            "top": {t: lp for _, t, lp in event.top_logprobs},
+        }
+        choice.offset += len(event.text)
+        return entry
+
+    @staticmethod
+    def _completion_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [e["top"] for e in entries],
+            "text_offset": [e["offset"] for e in entries],
+        }
+
+    def _record(self, index: int, event: TokenEvent | FinishEvent) -> tuple[str, Any]:
+        """Fold one event into choice ``index``; return its text and logprob entry."""
+        choice = self.choices[index]
+        if isinstance(event, FinishEvent):
+            choice.finish_reason = event.reason.value
+            choice.completion_tokens = event.completion_tokens
+            choice.text.append(event.text)
+            return event.text, None
+        choice.completion_tokens += 1
+        entry = self._logprob_entry(choice, event)
+        choice.text.append(event.text)
+        if entry is not None:
+            choice.logprobs.append(entry)
+        return event.text, entry
+
+    # -- streams --------------------------------------------------------------
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open every choice with its role."""
+        if not self.chat:
+            return []
+        return [
+            self._chunk(i, {"role": "assistant", "content": ""}, None, None)
+            for i in range(len(self.choices))
+        ]
+
+    def chunk(self, index: int, event: TokenEvent | FinishEvent) -> dict[str, Any] | None:
+        text, entry = self._record(index, event)
+        finish = event.reason.value if isinstance(event, FinishEvent) else None
+        if not text and entry is None and finish is None:
+            return None  # held back (a possible stop sequence, or a partial character)
+        if self.chat:
+            logprobs = {"content": [entry]} if entry is not None else None
+            return self._chunk(
+                index, {"content": text} if text or not finish else {}, logprobs, finish
+            )
+        logprobs = self._completion_logprobs([entry]) if entry is not None else None
+        return self._chunk(index, text, logprobs, finish)
+
+    def _chunk(self, index: int, delta: Any, logprobs: Any, finish: str | None) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            body = self._head("chat.completion.chunk") | {"choices": [choice]}
+        else:
+            choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
+            body = self._head("text_completion") | {"choices": [choice]}
+        if self.run.job.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._head(obj) | {"choices": [], "usage": self.usage()}
+
+    # -- whole responses ------------------------------------------------------
+
+    def add(self, index: int, event: TokenEvent | FinishEvent) -> None:
+        self._record(index, event)
+
+    def whole(self) -> dict[str, Any]:
+        choices = []
+        for i, c in enumerate(self.choices):
+            text = "".join(c.text)
+            if self.chat:
+                logprobs = {"content": c.logprobs} if self.run.job.logprobs else None
+                choices.append(
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
+            else:
+                logprobs = self._completion_logprobs(c.logprobs) if self.run.job.logprobs else None
+                choices.append(
+                    {
+                        "index": i,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
+        obj = "chat.completion" if self.chat else "text_completion"
+        return self._head(obj) | {"choices": choices, "usage": self.usage()}

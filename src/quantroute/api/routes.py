@@ -1,0 +1,142 @@
+"""HTTP routes: parse, call the service, render. Nothing else lives here."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from quantroute.api.render import ResponseRenderer
+from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
+from quantroute.api.service import CompletionService, Run, Tick
+from quantroute.api.sse import sse_events
+from quantroute.engines.base import StartEvent
+from quantroute.routing.table import RouteTableRef
+
+router = APIRouter()
+
+
+def _service(request: Request) -> CompletionService:
+    service: CompletionService = request.app.state.service
+    return service
+
+
+def _headers(run: Run) -> dict[str, str]:
+    return {
+        "x-quantroute-branch": run.branch.id,
+        "x-quantroute-route-reason": run.job.decision.reason,
+        "x-request-id": run.job.id,
+    }
+
+
+async def _respond(request: Request, body: ChatCompletionRequest | CompletionRequest) -> Any:
+    service = _service(request)
+    job = service.prepare(body)
+    run = await service.start(job)
+    if job.stream:
+        keepalive_s = request.app.state.settings.server.keepalive_s
+        return StreamingResponse(
+            sse_events(run, keepalive_s),
+            media_type="text/event-stream",
+            headers=_headers(run) | {"cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+    renderer = ResponseRenderer(run)
+    collect = asyncio.create_task(_collect(run, renderer))
+    watch = asyncio.create_task(_client_gone(request))
+    try:
+        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not collect.done():  # the client left: stop generating for it
+            collect.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await collect
+    return JSONResponse(renderer.whole(), headers=_headers(run))
+
+
+async def _collect(run: Run, renderer: ResponseRenderer) -> None:
+    async for item in run.events():
+        if isinstance(item, Tick):
+            continue
+        index, event = item
+        if not isinstance(event, StartEvent):
+            renderer.add(index, event)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, body: ChatCompletionRequest) -> Any:
+    return await _respond(request, body)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, body: CompletionRequest) -> Any:
+    return await _respond(request, body)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    routes: RouteTableRef = request.app.state.routes
+    data: list[dict[str, Any]] = []
+    for route in routes.current.models.values():
+        branches = [
+            {
+                "id": b.id,
+                "branch": b.name,
+                "precision": b.precision.value,
+                "engine": b.artifact.engine,
+                "reference": b.name == route.reference,
+                "ready": b.engine.ready,
+                "sha256": b.artifact.sha256,
+                "size_bytes": b.artifact.size_bytes,
+                "n_ctx": b.engine.info.n_ctx if b.engine.info else None,
+            }
+            for b in route.branches
+        ]
+        data.append(
+            {
+                "id": route.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "quantroute",
+                "branches": branches,
+            }
+        )
+        data += [
+            {
+                "id": b["id"],
+                "object": "model",
+                "created": 0,
+                "owned_by": "quantroute",
+                "parent": route.name,
+            }
+            for b in branches
+        ]
+    return {"object": "list", "data": data}
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> JSONResponse:
+    routes: RouteTableRef = request.app.state.routes
+    models = {
+        name: [b.name for b in route.branches if b.engine.ready]
+        for name, route in routes.current.models.items()
+    }
+    ready = bool(models) and all(models.values())
+    return JSONResponse(
+        {"status": "ready" if ready else "not ready", "ready_branches": models},
+        status_code=200 if ready else 503,
+    )

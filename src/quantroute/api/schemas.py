@@ -1,0 +1,166 @@
+"""HTTP request schemas: every field typed (strictly) and bounded.
+
+Bounds that depend on settings (``max_tokens``, ``n``, ``stop``) are checked
+by :func:`check_limits`; the rest here. Unknown fields are rejected, so a
+misspelt parameter is a 400 rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from quantroute.config import LimitSettings
+from quantroute.errors import InvalidRequestError
+
+_Strict = ConfigDict(extra="forbid", strict=True)
+Text = Annotated[str, Field(max_length=1 << 22)]
+
+
+class StreamOptions(BaseModel):
+    model_config = _Strict
+    include_usage: bool = False
+
+
+class _GenerationBase(BaseModel):
+    model_config = _Strict
+
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=1000, description="quantroute extension; 0 is off")
+    n: int = Field(1, ge=1)
+    stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, max_length=300
+    )
+    ignore_eos: bool = Field(False, description="quantroute extension (as in vLLM)")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+
+    @model_validator(mode="after")
+    def _supported(self) -> _GenerationBase:
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported yet; use 0")
+        if self.logit_bias and not all(k.isdigit() and len(k) <= 9 for k in self.logit_bias):
+            raise ValueError("logit_bias keys must be token ids")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(BaseModel):
+    model_config = _Strict
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=64)
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_GenerationBase):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give max_tokens or max_completion_tokens, not both")
+        return self
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_GenerationBase):
+    prompt: Text | list[Text]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _completion(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be an empty list")
+        return self
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+
+def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: LimitSettings) -> None:
+    """The bounds that come from settings; each failure names its field."""
+    max_tokens = req.completion_limit if isinstance(req, ChatCompletionRequest) else req.max_tokens
+    if max_tokens is not None and max_tokens > limits.max_tokens:
+        raise InvalidRequestError(
+            f"max_tokens must be at most {limits.max_tokens}", param="max_tokens"
+        )
+    if req.n > limits.max_n:
+        raise InvalidRequestError(f"n must be at most {limits.max_n}", param="n")
+    stops = req.stops
+    if len(stops) > limits.max_stop:
+        raise InvalidRequestError(f"stop may have at most {limits.max_stop} entries", param="stop")
+    if any(len(s) > limits.max_stop_chars for s in stops):
+        raise InvalidRequestError(
+            f"each stop sequence must be at most {limits.max_stop_chars} characters", param="stop"
+        )
+    if isinstance(req, ChatCompletionRequest):
+        if len(req.messages) > limits.max_messages:
+            raise InvalidRequestError(
+                f"messages may have at most {limits.max_messages} entries", param="messages"
+            )
+        if sum(len(m.text) for m in req.messages) > limits.max_prompt_chars:
+            raise InvalidRequestError(
+                f"messages may hold at most {limits.max_prompt_chars} characters",
+                param="messages",
+            )
+    else:
+        prompts = req.prompts
+        if len(prompts) * req.n > limits.max_n:
+            raise InvalidRequestError(
+                f"len(prompt) * n must be at most {limits.max_n}", param="prompt"
+            )
+        if any(len(p) > limits.max_prompt_chars for p in prompts):
+            raise InvalidRequestError(
+                f"prompt may hold at most {limits.max_prompt_chars} characters", param="prompt"
+            )

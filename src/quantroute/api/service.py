@@ -1,0 +1,222 @@
+"""The one service object routes call: request → decision → engine run.
+
+``prepare`` turns a validated request into a :class:`Job` (prompts, sampling,
+the routing decision); ``start`` runs it on the first branch that accepts
+it, falling back to the next branch of the decision when one fails before
+its first token; the returned :class:`Run` yields ``(choice index, event)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest, check_limits
+from quantroute.config import Settings
+from quantroute.engines.base import (
+    EngineEvent,
+    GenerationRequest,
+    SamplingParams,
+    StartEvent,
+)
+from quantroute.engines.chat_template import render_chat
+from quantroute.errors import ContextLengthExceededError, EngineError, ServiceUnavailableError
+from quantroute.routing.policy import Decision, choose
+from quantroute.routing.table import Branch, RouteTableRef
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["chat", "completion"]
+_SEED_MASK = 2**64 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    id: str
+    kind: Kind
+    decision: Decision
+    requests: tuple[GenerationRequest, ...]  # one per choice index
+    n: int  # choices per prompt: request i answers prompt i // n
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Nothing happened for a keep-alive interval."""
+
+
+class Run:
+    """A job started on one branch: merged events of its choices."""
+
+    def __init__(
+        self,
+        job: Job,
+        branch: Branch,
+        streams: list[AsyncIterator[EngineEvent]],
+        prompt_tokens: list[int],
+    ):
+        self.job = job
+        self.branch = branch
+        self.prompt_tokens = prompt_tokens
+        self._streams = streams
+        self._queue: asyncio.Queue[tuple[int, EngineEvent] | BaseException | None] = asyncio.Queue()
+        self._pumps: list[asyncio.Task[None]] = []
+
+    async def events(
+        self, keepalive_s: float | None = None
+    ) -> AsyncIterator[tuple[int, EngineEvent] | Tick]:
+        """Every choice's events, interleaved as they come; ``Tick`` when idle."""
+        self._pumps = [
+            asyncio.create_task(self._pump(i, s), name=f"pump:{self.job.id}:{i}")
+            for i, s in enumerate(self._streams)
+        ]
+        remaining = len(self._pumps)
+        try:
+            while remaining:
+                try:
+                    item = await asyncio.wait_for(self._queue.get(), keepalive_s)
+                except TimeoutError:
+                    yield Tick()
+                    continue
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            await self.close()
+
+    async def _pump(self, index: int, stream: AsyncIterator[EngineEvent]) -> None:
+        try:
+            async for event in stream:
+                self._queue.put_nowait((index, event))
+        except Exception as exc:
+            self._queue.put_nowait(exc)
+        finally:
+            self._queue.put_nowait(None)
+
+    async def close(self) -> None:
+        for task in self._pumps:
+            task.cancel()
+        for task in self._pumps:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for stream in self._streams:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+class CompletionService:
+    def __init__(self, routes: RouteTableRef, settings: Settings):
+        self._routes = routes
+        self._settings = settings
+
+    def prepare(self, req: ChatCompletionRequest | CompletionRequest) -> Job:
+        check_limits(req, self._settings.limits)
+        decision = choose(self._routes.current, req.model)
+        job_id = uuid.uuid4().hex
+        seed = None if req.seed is None else req.seed & _SEED_MASK
+        base = SamplingParams(
+            max_tokens=self._settings.limits.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=seed,
+            stop=req.stops,
+            logit_bias=req.bias,
+            ignore_eos=req.ignore_eos,
+        )
+        if isinstance(req, ChatCompletionRequest):
+            info = decision.branches[0].engine.info
+            prompt = render_chat(
+                [{"role": m.role, "content": m.text} for m in req.messages],
+                model_template=info.chat_template if info else None,
+                bos_token=info.bos_token if info else "",
+                eos_token=info.eos_token if info else "",
+            )
+            limit = req.completion_limit
+            sampling = replace(
+                base,
+                max_tokens=limit or base.max_tokens,
+                fit_context=limit is None,
+                stop=base.stop + prompt.stops,
+                logprobs=req.logprobs,
+                top_logprobs=req.top_logprobs or 0,
+            )
+            prompts = [prompt.text] * req.n
+            kind: Kind = "chat"
+            logprobs = req.logprobs
+        else:
+            sampling = replace(
+                base,
+                max_tokens=req.max_tokens or base.max_tokens,
+                fit_context=req.max_tokens is None,
+                logprobs=req.logprobs is not None,
+                top_logprobs=req.logprobs or 0,
+            )
+            prompts = [p for p in req.prompts for _ in range(req.n)]
+            kind = "completion"
+            logprobs = req.logprobs is not None
+        requests = tuple(
+            GenerationRequest(
+                f"{job_id}.{i}",
+                prompt,
+                sampling if seed is None else replace(sampling, seed=(seed + i) & _SEED_MASK),
+            )
+            for i, prompt in enumerate(prompts)
+        )
+        return Job(job_id, kind, decision, requests, req.n, req.stream, req.include_usage, logprobs)
+
+    async def start(self, job: Job) -> Run:
+        """Open every choice on the first branch that takes them all."""
+        last: EngineError | None = None
+        for branch in job.decision.branches:
+            streams: list[AsyncIterator[EngineEvent]] = []
+            try:
+                prompt_tokens = []
+                for request in job.requests:
+                    stream = aiter(branch.engine.generate(request))
+                    streams.append(stream)
+                    first = await anext(stream)
+                    if not isinstance(first, StartEvent):
+                        raise EngineError(f"branch {branch.id} skipped its start event")
+                    prompt_tokens.append(first.prompt_tokens)
+                return Run(job, branch, streams, prompt_tokens)
+            except ContextLengthExceededError as exc:
+                exc.param = "messages" if job.kind == "chat" else "prompt"
+                await _close_all(streams)
+                raise
+            except EngineError as exc:
+                last = exc
+                log.warning(
+                    "job %s: branch %s failed before its first token: %s",
+                    job.id,
+                    branch.id,
+                    exc.message,
+                )
+                await _close_all(streams)
+            except BaseException:
+                await _close_all(streams)
+                raise
+        if last is not None and len(job.decision.branches) == 1:
+            raise last
+        raise ServiceUnavailableError(
+            f"every branch of {job.decision.model} failed before answering", retry_after_s=2.0
+        )
+
+
+async def _close_all(streams: list[AsyncIterator[EngineEvent]]) -> None:
+    for stream in streams:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()

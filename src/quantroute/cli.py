@@ -1,0 +1,147 @@
+"""The ``quantroute`` command.
+
+Flags of ``serve`` are generated from the settings tree: ``--server-port``,
+``--engine-parallel`` and so on, with the short forms ``--host``, ``--port``
+and ``--repo``. ``quantroute serve --help`` lists them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from quantroute.config import DEMO_REPO, Settings, load_settings
+from quantroute.errors import QuantrouteError
+
+log = logging.getLogger("quantroute")
+
+_SHORT = {"server.host": "--host", "server.port": "--port"}
+
+
+def _leaf_fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, Any]]:
+    leaves: list[tuple[str, Any]] = []
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            leaves += _leaf_fields(annotation, f"{prefix}{name}.")
+        else:
+            leaves.append((f"{prefix}{name}", info))
+    return leaves
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("settings (also QUANTROUTE_* variables or --config FILE)")
+    for path, info in _leaf_fields(Settings):
+        flags = ["--" + path.replace(".", "-").replace("_", "-")]
+        if path in _SHORT:
+            flags.insert(0, _SHORT[path])
+        default = info.get_default(call_default_factory=True)
+        group.add_argument(
+            *flags,
+            dest=f"set:{path}",
+            default=None,
+            metavar=path.rsplit(".", 1)[-1].upper(),
+            help=f"{info.description or ''} (default: {default})".replace("%", "%%"),
+        )
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in vars(args).items():
+        if key.startswith("set:") and value is not None:
+            node = tree
+            *parents, leaf = key[4:].split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+    return tree
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    return load_settings(args.config, **_overrides(args))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from quantroute.api.app import create_app
+
+    settings = _settings(args)
+    logging.basicConfig(
+        level=settings.server.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    app = create_app(settings)
+    uvicorn.run(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        log_level=settings.server.log_level,
+        timeout_graceful_shutdown=10,
+    )
+    return 0
+
+
+def cmd_demo_build(args: argparse.Namespace) -> int:
+    from quantroute.demo import build_demo
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    manifest = build_demo(args.out, steps=args.steps, seed=args.seed, progress=True)
+    for name, spec in manifest.branches.items():
+        log.info("%-8s %-24s sha256 %s", name, spec.file, spec.sha256[:16])
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quantroute",
+        description="An LLM server that picks the precision branch for every request.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model repository over the OpenAI API",
+        description="Serve a model repository over an OpenAI-compatible API.",
+    )
+    serve.add_argument("--config", type=Path, default=None, help="YAML settings file")
+    _add_settings_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    demo = sub.add_parser(
+        "demo",
+        help="the packaged demo model",
+        description="Build the demo model (needs the 'train' extra).",
+    )
+    demo_sub = demo.add_subparsers(dest="demo_command", required=True)
+    build = demo_sub.add_parser(
+        "build",
+        help="train the demo model and write its GGUF branches",
+        description="Train tiny-llama on the standard library's sources, "
+        "write f16/q8_0/q4_k_m GGUF files and their manifest.",
+    )
+    build.add_argument("--out", type=Path, default=DEMO_REPO / "tiny-llama", help="output folder")
+    build.add_argument("--steps", type=int, default=None, help="training steps (default: built-in)")
+    build.add_argument("--seed", type=int, default=0, help="random seed")
+    build.set_defaults(func=cmd_demo_build)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except QuantrouteError as exc:
+        print(f"quantroute: {exc.message}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""The settings tree: the only module that reads environment variables.
+
+Precedence, highest first: command-line flags, environment variables
+(``QUANTROUTE_SERVER__PORT=8001``, nested with ``__``), a YAML config file
+(``--config FILE`` or ``QUANTROUTE_CONFIG``), then the defaults below.
+Every field has a default and a description; the CLI's flags are generated
+from this tree (``quantroute serve --help`` lists them).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from quantroute.errors import ConfigError
+
+DEMO_REPO = Path(__file__).resolve().parent / "demo" / "repo"
+ENV_PREFIX = "QUANTROUTE_"
+
+
+class ServerSettings(BaseModel):
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on.")
+    max_body_bytes: int = Field(
+        1 << 20, ge=1024, description="Largest request body accepted; larger gets 413."
+    )
+    keepalive_s: float = Field(
+        15.0, gt=0, description="Seconds between SSE keep-alive comments on an idle stream."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level of the gateway and its workers."
+    )
+
+
+class LimitSettings(BaseModel):
+    """Bounds on request fields; anything outside them is a 400."""
+
+    max_tokens: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
+    max_stop: int = Field(4, ge=0, description="Most stop sequences in one request.")
+    max_stop_chars: int = Field(256, ge=1, description="Longest stop sequence, in characters.")
+    max_n: int = Field(4, ge=1, description="Most choices (n) in one request.")
+    max_messages: int = Field(1024, ge=1, description="Most chat messages in one request.")
+    max_prompt_chars: int = Field(
+        1 << 20, ge=1, description="Longest prompt or message content, in characters."
+    )
+
+
+class EngineSettings(BaseModel):
+    """How llama.cpp worker processes run."""
+
+    n_ctx: int = Field(
+        0, ge=0, description="Context window per sequence; 0 uses the model's training context."
+    )
+    parallel: int = Field(
+        4, ge=1, le=64, description="Sequences a worker decodes together (continuous batching)."
+    )
+    n_threads: int = Field(0, ge=0, description="Threads per worker; 0 uses every core.")
+    n_batch: int = Field(512, ge=16, description="Most tokens in one llama_decode call.")
+    start_timeout_s: float = Field(120.0, gt=0, description="Time a worker has to load its model.")
+    restart_backoff_s: float = Field(
+        0.5, gt=0, description="First wait before restarting a dead worker; doubles each time."
+    )
+    restart_backoff_max_s: float = Field(30.0, gt=0, description="Longest restart wait.")
+    cancel_grace_s: float = Field(
+        5.0, gt=0, description="Time a worker has to exit on shutdown before it is killed."
+    )
+
+
+class Settings(BaseSettings):
+    """Everything quantroute can be told. See docs/configuration.md."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid"
+    )
+
+    repo: Path = Field(DEMO_REPO, description="Model repository: one folder per model.")
+    server: ServerSettings = Field(default_factory=ServerSettings)  # type: ignore[arg-type]
+    limits: LimitSettings = Field(default_factory=LimitSettings)  # type: ignore[arg-type]
+    engine: EngineSettings = Field(default_factory=EngineSettings)  # type: ignore[arg-type]
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Build the settings from flags (``overrides``), environment, file and defaults.
+
+    >>> load_settings(server={"port": 9000}).server.port
+    9000
+    """
+    path = config_file or os.environ.get(f"{ENV_PREFIX}CONFIG")
+
+    class _FileSettings(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+            if path:
+                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=Path(path)))
+            return tuple(sources)
+
+    if path and not Path(path).is_file():
+        raise ConfigError(f"config file not found: {path}")
+    return _FileSettings(**overrides)

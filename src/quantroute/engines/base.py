@@ -1,0 +1,122 @@
+"""The ``Engine`` seam: what the gateway needs from anything that runs a branch.
+
+An engine turns a :class:`GenerationRequest` into a stream of events::
+
+    StartEvent(prompt_tokens)          exactly once, first: the prompt was accepted
+    TokenEvent(text, token_id, ...)    zero or more
+    FinishEvent(reason, usage)         exactly once, last
+
+Errors are raised from the iterator as :mod:`quantroute.errors` exceptions:
+``ContextLengthExceededError`` before ``StartEvent``; ``EngineCrashedError``
+when the worker dies mid-stream. Closing the iterator early (``aclose``, or a
+cancelled task) cancels the generation in the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol, runtime_checkable
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # EOS or a stop sequence
+    LENGTH = "length"  # max_tokens or the context window
+    CANCELLED = "cancelled"  # the client went away
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick each next token. ``temperature == 0`` is greedy."""
+
+    max_tokens: int = 16
+    fit_context: bool = False  # max_tokens was not given: stop at the context window instead
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A prompt that is either text (tokenized by the engine, with BOS) or tokens."""
+
+    request_id: str
+    prompt: str
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True, slots=True)
+class StartEvent:
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One sampled token. ``text`` is what it adds to the output: it may be empty
+    (an incomplete UTF-8 sequence, or text held back as a possible stop
+    sequence) and may carry held-back text of earlier tokens."""
+
+    text: str
+    token_id: int
+    logprob: float | None = None
+    piece: str | None = None  # the token's own text, with logprobs
+    top_logprobs: tuple[tuple[int, str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FinishEvent:
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    text: str = ""  # held-back text released at the end (never part of a stop sequence)
+
+
+EngineEvent = StartEvent | TokenEvent | FinishEvent
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What an engine learned from its model once loaded."""
+
+    n_ctx: int  # context window per sequence
+    n_ctx_train: int
+    n_vocab: int
+    parallel: int  # sequences decoded together
+    chat_template: str | None
+    bos_token: str
+    eos_token: str
+    model_bytes: int
+    pid: int | None = None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Runs one branch. Implementations: ``LlamaCppEngine`` (a supervised worker
+    process), ``FakeEngine`` (deterministic, for tests and demos).
+
+    ``generate`` may be called concurrently; an engine serves several sequences
+    at once. ``ready`` is false while starting or restarting; ``generate`` then
+    raises ``EngineUnavailableError`` at once rather than queueing.
+    """
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def info(self) -> EngineInfo | None: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]: ...

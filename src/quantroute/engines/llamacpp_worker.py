@@ -1,0 +1,407 @@
+"""The llama.cpp worker process: one branch, several sequences decoded together.
+
+Run by the supervisor as ``python -m quantroute.engines.llamacpp_worker``.
+It speaks newline-delimited JSON: commands on stdin, events on the original
+stdout (file descriptor 1 is then pointed at stderr, so nothing llama.cpp
+prints can corrupt the protocol).
+
+Commands::
+
+    {"op": "gen", "id": "r1", "prompt": "...", "special": false, "s": {sampling}}
+    {"op": "cancel", "id": "r1"}
+    {"op": "shutdown"}
+
+Events::
+
+    {"ev": "ready", "info": {...EngineInfo...}}
+    {"ev": "start", "id": "r1", "pt": 12}
+    {"ev": "tok", "id": "r1", "t": "def", "tok": 101, "lp": -0.3, "top": [[id, text, lp]]}
+    {"ev": "fin", "id": "r1", "reason": "stop", "pt": 12, "ct": 40, "t": ""}
+    {"ev": "err", "id": "r1", "code": "context_length_exceeded", "msg": "...", ...}
+
+Scheduling is continuous batching: every step puts the next token of every
+decoding sequence and a slice of any waiting prompt into one ``llama_decode``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import ctypes
+import json
+import logging
+import os
+import queue
+import sys
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import llama_cpp as lc
+import numpy as np
+
+from quantroute.engines.sampling import sample
+from quantroute.engines.stops import StopMatcher
+
+log = logging.getLogger("quantroute.worker")
+
+
+@dataclass(slots=True)
+class Sequence:
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    logprobs: bool
+    n_top: int
+    rng: np.random.Generator
+    stops: StopMatcher
+    bias_ids: np.ndarray[Any, Any] | None = None
+    bias_values: np.ndarray[Any, Any] | None = None
+    ignore_eos: bool = False
+    slot: int = -1
+    fed: int = 0  # prompt tokens already in the KV cache
+    n_past: int = 0
+    generated: int = 0
+    next_token: int | None = None  # sampled, not yet fed
+    decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.prompt)
+
+
+class Worker:
+    def __init__(self, args: argparse.Namespace, out: IO[bytes]):
+        self._out = out
+        self._pending_out: list[bytes] = []
+        lc.llama_backend_init()
+        if args.log_level != "debug":
+            lc.llama_log_set(_ERRORS_ONLY_LOG, ctypes.c_void_p(0))
+        mparams = lc.llama_model_default_params()
+        mparams.n_gpu_layers = args.n_gpu_layers
+        self.model = lc.llama_model_load_from_file(args.model.encode(), mparams)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {args.model}")
+        self.vocab = lc.llama_model_get_vocab(self.model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = lc.llama_model_n_ctx_train(self.model)
+        self.eog_tokens = [t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)]
+        self.n_ctx = args.n_ctx or self.n_ctx_train
+        self.parallel = args.parallel
+        self.n_batch = args.n_batch
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = self.n_ctx * self.parallel
+        cparams.n_batch = self.n_batch
+        cparams.n_ubatch = self.n_batch
+        cparams.n_seq_max = self.parallel
+        cparams.kv_unified = False  # each sequence owns n_ctx cells
+        threads = args.n_threads or os.cpu_count() or 1
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        self.ctx = lc.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        self.mem = lc.llama_get_memory(self.ctx)
+        self.batch = lc.llama_batch_init(self.n_batch, 0, 1)
+        self._piece_buf = ctypes.create_string_buffer(256)
+        self.free_slots = list(range(self.parallel - 1, -1, -1))
+        self.active: dict[str, Sequence] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.running = True
+
+    # -- protocol -------------------------------------------------------------
+
+    def emit(self, event: dict[str, Any]) -> None:
+        self._pending_out.append(json.dumps(event, separators=(",", ":")).encode() + b"\n")
+
+    def flush(self) -> None:
+        if self._pending_out:
+            self._out.write(b"".join(self._pending_out))
+            self._out.flush()
+            self._pending_out.clear()
+
+    def info(self) -> dict[str, Any]:
+        template = lc.llama_model_chat_template(self.model, None)
+        return {
+            "n_ctx": self.n_ctx,
+            "n_ctx_train": self.n_ctx_train,
+            "n_vocab": self.n_vocab,
+            "parallel": self.parallel,
+            "chat_template": template.decode("utf-8", "replace") if template else None,
+            "bos_token": self.piece(lc.llama_vocab_bos(self.vocab), special=True),
+            "eos_token": self.piece(lc.llama_vocab_eos(self.vocab), special=True),
+            "model_bytes": int(lc.llama_model_size(self.model)),
+            "pid": os.getpid(),
+        }
+
+    def read_commands(self, stream: IO[bytes]) -> None:
+        for line in stream:
+            try:
+                self.commands.put(json.loads(line))
+            except json.JSONDecodeError:
+                log.error("worker: unreadable command dropped")
+        self.commands.put(None)  # the gateway closed our stdin: shut down
+
+    # -- vocabulary -----------------------------------------------------------
+
+    def tokenize(self, text: str, special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (lc.llama_token * cap)()
+        n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, True, special)
+        if n < 0:
+            cap = -n
+            buf = (lc.llama_token * cap)()
+            n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, True, special)
+        return list(buf[:n])
+
+    def piece_bytes(self, token: int, special: bool = False) -> bytes:
+        n = lc.llama_token_to_piece(self.vocab, token, self._piece_buf, 256, 0, special)
+        return self._piece_buf.raw[: max(n, 0)]
+
+    def piece(self, token: int, special: bool = False) -> str:
+        return self.piece_bytes(token, special).decode("utf-8", "replace")
+
+    # -- commands -------------------------------------------------------------
+
+    def handle(self, cmd: dict[str, Any] | None) -> None:
+        if cmd is None or cmd.get("op") == "shutdown":
+            self.running = False
+        elif cmd["op"] == "gen":
+            try:
+                self.admit(cmd)
+            except (KeyError, TypeError, ValueError) as exc:  # a malformed command fails alone
+                self.emit({"ev": "err", "id": cmd.get("id", ""), "code": "engine_error",
+                           "msg": f"bad command: {type(exc).__name__}"})
+        elif cmd["op"] == "cancel":
+            self.cancel(cmd["id"])
+
+    def admit(self, cmd: dict[str, Any]) -> None:
+        rid, s = cmd["id"], cmd["s"]
+        prompt = self.tokenize(cmd["prompt"], bool(cmd.get("special")))
+        max_tokens = int(s["max_tokens"])
+        if s.get("fit_context"):
+            max_tokens = max(1, min(max_tokens, self.n_ctx - len(prompt)))
+        if len(prompt) + max_tokens > self.n_ctx:
+            self.emit(
+                {
+                    "ev": "err",
+                    "id": rid,
+                    "code": "context_length_exceeded",
+                    "pt": len(prompt),
+                    "max_tokens": max_tokens,
+                    "n_ctx": self.n_ctx,
+                }
+            )
+            return
+        seq = Sequence(
+            rid=rid,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=float(s["temperature"]),
+            top_p=float(s["top_p"]),
+            top_k=int(s["top_k"]),
+            logprobs=bool(s["logprobs"]),
+            n_top=int(s["top_logprobs"]),
+            rng=np.random.default_rng(s.get("seed")),
+            stops=StopMatcher(tuple(s["stop"])),
+            ignore_eos=bool(s.get("ignore_eos")),
+        )
+        bias = [(int(t), float(b)) for t, b in s.get("logit_bias", ()) if 0 <= int(t) < self.n_vocab]
+        if seq.ignore_eos:
+            bias += [(t, -np.inf) for t in self.eog_tokens]
+        if bias:
+            seq.bias_ids = np.array([t for t, _ in bias], dtype=np.int64)
+            seq.bias_values = np.array([b for _, b in bias], dtype=np.float32)
+        self.emit({"ev": "start", "id": rid, "pt": len(prompt)})
+        self.waiting.append(seq)
+
+    def cancel(self, rid: str) -> None:
+        seq = self.active.get(rid)
+        if seq is not None:
+            self.finish(seq, "cancelled")
+            return
+        for waiting in self.waiting:
+            if waiting.rid == rid:
+                self.waiting.remove(waiting)
+                self.emit(
+                    {
+                        "ev": "fin",
+                        "id": rid,
+                        "reason": "cancelled",
+                        "pt": len(waiting.prompt),
+                        "ct": 0,
+                        "t": "",
+                    }
+                )
+                return
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        tail = seq.decoder.decode(b"", final=True)
+        text = seq.stops.feed(tail) + seq.stops.flush() if reason != "cancelled" else ""
+        self.emit(
+            {
+                "ev": "fin",
+                "id": seq.rid,
+                "reason": reason,
+                "pt": len(seq.prompt),
+                "ct": seq.generated,
+                "t": text,
+            }
+        )
+        del self.active[seq.rid]
+        lc.llama_memory_seq_rm(self.mem, seq.slot, -1, -1)
+        self.free_slots.append(seq.slot)
+
+    # -- the decode loop ------------------------------------------------------
+
+    def run(self) -> None:
+        while self.running:
+            idle = not self.active and not self.waiting
+            try:
+                self.handle(self.commands.get(block=idle))
+                while self.running:
+                    self.handle(self.commands.get_nowait())
+            except queue.Empty:
+                pass
+            while self.waiting and self.free_slots:
+                seq = self.waiting.popleft()
+                seq.slot = self.free_slots.pop()
+                self.active[seq.rid] = seq
+            if self.running and self.active:
+                self.step()
+            self.flush()
+
+    def step(self) -> None:
+        batch, n = self.batch, 0
+        outputs: list[tuple[int, Sequence]] = []
+        for seq in self.active.values():  # decoding sequences first: one token each
+            if seq.next_token is not None:
+                self._put(n, seq.next_token, seq.n_past, seq.slot, True)
+                outputs.append((n, seq))
+                seq.n_past += 1
+                seq.next_token = None
+                n += 1
+        for seq in self.active.values():  # then prompt slices, as room allows
+            if seq.prefilling and n < self.n_batch:
+                take = min(len(seq.prompt) - seq.fed, self.n_batch - n)
+                for j in range(take):
+                    last = seq.fed + j == len(seq.prompt) - 1
+                    self._put(n, seq.prompt[seq.fed + j], seq.n_past, seq.slot, last)
+                    if last:
+                        outputs.append((n, seq))
+                    seq.n_past += 1
+                    n += 1
+                seq.fed += take
+        batch.n_tokens = n
+        rc = lc.llama_decode(self.ctx, batch)
+        if rc != 0:
+            for seq in list(self.active.values()):
+                self.emit(
+                    {
+                        "ev": "err",
+                        "id": seq.rid,
+                        "code": "engine_error",
+                        "msg": f"llama_decode returned {rc}",
+                    }
+                )
+                del self.active[seq.rid]
+                lc.llama_memory_seq_rm(self.mem, seq.slot, -1, -1)
+                self.free_slots.append(seq.slot)
+            return
+        for index, seq in outputs:
+            self._advance(seq, index)
+
+    def _put(self, i: int, token: int, pos: int, slot: int, logits: bool) -> None:
+        b = self.batch
+        b.token[i] = token
+        b.pos[i] = pos
+        b.n_seq_id[i] = 1
+        b.seq_id[i][0] = slot
+        b.logits[i] = logits
+
+    def _advance(self, seq: Sequence, index: int) -> None:
+        ptr = lc.llama_get_logits_ith(self.ctx, index)
+        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))  # [V], a view
+        if seq.bias_ids is not None:
+            logits = logits.copy()
+            logits[seq.bias_ids] += seq.bias_values
+        choice = sample(
+            logits,
+            temperature=seq.temperature,
+            top_p=seq.top_p,
+            top_k=seq.top_k,
+            rng=seq.rng,
+            want_logprob=seq.logprobs,
+            n_top=seq.n_top,
+        )
+        token = choice.token
+        if lc.llama_vocab_is_eog(self.vocab, token):
+            self.finish(seq, "stop")
+            return
+        seq.generated += 1
+        text = seq.stops.feed(seq.decoder.decode(self.piece_bytes(token)))
+        event: dict[str, Any] = {"ev": "tok", "id": seq.rid, "t": text, "tok": token}
+        if choice.logprob is not None:
+            event["lp"] = choice.logprob
+            event["p"] = self.piece(token)
+        if choice.top:
+            event["top"] = [[t, self.piece(t), lp] for t, lp in choice.top]
+        self.emit(event)
+        if seq.stops.stopped:
+            self.finish(seq, "stop")
+        elif seq.generated >= seq.max_tokens or seq.n_past + 1 >= self.n_ctx:
+            self.finish(seq, "length")
+        else:
+            seq.next_token = token
+
+
+@lc.llama_log_callback  # type: ignore[untyped-decorator]
+def _ERRORS_ONLY_LOG(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    if level == _GGML_LOG_LEVEL_ERROR:
+        sys.stderr.write(text.decode("utf-8", "replace"))
+
+
+_GGML_LOG_LEVEL_ERROR = 3
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="quantroute llama.cpp worker (internal)")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--n-ctx", type=int, default=0)
+    parser.add_argument("--parallel", type=int, default=4)
+    parser.add_argument("--n-threads", type=int, default=0)
+    parser.add_argument("--n-batch", type=int, default=512)
+    parser.add_argument("--n-gpu-layers", type=int, default=0)
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(name)s %(levelname)s %(message)s"
+    )
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # from here on, anything printed to stdout lands on stderr
+    sys.stdout = sys.stderr
+    worker = Worker(args, out)
+    worker.emit({"ev": "ready", "info": worker.info()})
+    worker.flush()
+    reader = threading.Thread(target=worker.read_commands, args=(sys.stdin.buffer,), daemon=True)
+    reader.start()
+    worker.run()
+    worker.flush()
+    # The reader thread is blocked in stdin.read: skip interpreter finalization,
+    # which would otherwise wait on (and abort over) its buffer lock.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""quantroute's exception hierarchy. Each error knows its HTTP status, its
+OpenAI error ``type`` and ``code``, and whether a retry elsewhere may succeed.
+
+::
+
+    QuantrouteError                      500 server_error
+    ├── InvalidRequestError              400 invalid_request_error
+    │   ├── ContextLengthExceededError   400   code=context_length_exceeded
+    │   └── PayloadTooLargeError         413   code=payload_too_large
+    ├── NotFoundError                    404 invalid_request_error (model_not_found)
+    ├── ConfigError                      500 (bad settings, manifest or repository)
+    │   └── ManifestError
+    │       └── ArtifactIntegrityError        (sha256 mismatch, missing file)
+    ├── TemplateError                    500 (chat template refused or failed)
+    └── EngineError                      502 server_error, retryable
+        ├── EngineUnavailableError       503 (worker not ready / restarting)
+        └── EngineCrashedError           502 (worker died mid-request)
+
+Messages never echo request content: they name the field and the bound.
+Third-party exceptions are translated at the boundary with ``raise X from exc``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class QuantrouteError(Exception):
+    """Base of every error quantroute raises on purpose."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    code: ClassVar[str | None] = None
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self._code = code
+
+    @property
+    def error_code(self) -> str | None:
+        return self._code or self.code
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.error_code,
+            }
+        }
+
+
+class InvalidRequestError(QuantrouteError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    code = "context_length_exceeded"
+
+    def __init__(self, *, prompt_tokens: int, max_tokens: int, n_ctx: int):
+        super().__init__(
+            f"This model's maximum context length is {n_ctx} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} "
+            "for the completion). Please reduce the prompt or max_tokens.",
+            param="messages",
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.n_ctx = n_ctx
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    status = 413
+    code = "payload_too_large"
+
+
+class NotFoundError(QuantrouteError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class ConfigError(QuantrouteError):
+    """Settings, a manifest or a repository are wrong: an operator's problem."""
+
+
+class ManifestError(ConfigError):
+    pass
+
+
+class ArtifactIntegrityError(ManifestError):
+    code = "artifact_integrity"
+
+
+class TemplateError(QuantrouteError):
+    code = "chat_template_error"
+
+
+class EngineError(QuantrouteError):
+    status = 502
+    code = "engine_error"
+    retryable = True
+
+
+class EngineUnavailableError(EngineError):
+    status = 503
+    code = "engine_unavailable"
+
+
+class EngineCrashedError(EngineError):
+    code = "engine_crashed"
+
+
+class ServiceUnavailableError(QuantrouteError):
+    status = 503
+    code = "service_unavailable"
+    retryable = True
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -1,0 +1,73 @@
+"""Shared value types: precisions and the small records every package speaks.
+
+Precisions are a closed enum with a spec; a precision is always declared (in a
+manifest or by the builder), never inferred from a file name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+@dataclass(frozen=True, slots=True)
+class PrecisionSpec:
+    """What a precision costs and needs.
+
+    ``bits_per_weight`` is the storage cost llama.cpp reports for the format
+    (block scales included); ``rank`` orders precisions from most faithful (0)
+    to least, and breaks ties when no measured profile exists.
+    """
+
+    bits_per_weight: float
+    rank: int
+    needs_gpu: bool = False
+    gguf: bool = True
+
+
+class Precision(StrEnum):
+    """Every precision quantroute knows. Closed: add one here, with its spec."""
+
+    F32 = "f32"
+    BF16 = "bf16"
+    F16 = "f16"
+    FP8 = "fp8"
+    Q8_0 = "q8_0"
+    Q6_K = "q6_k"
+    Q5_K_M = "q5_k_m"
+    AWQ = "awq"
+    Q4_K_M = "q4_k_m"
+    Q4_0 = "q4_0"
+    Q3_K_M = "q3_k_m"
+    Q2_K = "q2_k"
+
+    @property
+    def spec(self) -> PrecisionSpec:
+        return _SPECS[self]
+
+
+_SPECS: dict[Precision, PrecisionSpec] = {
+    Precision.F32: PrecisionSpec(32.0, 0),
+    Precision.BF16: PrecisionSpec(16.0, 1),
+    Precision.F16: PrecisionSpec(16.0, 1),
+    Precision.FP8: PrecisionSpec(8.0, 2, needs_gpu=True, gguf=False),
+    Precision.Q8_0: PrecisionSpec(8.5, 3),
+    Precision.Q6_K: PrecisionSpec(6.5625, 4),
+    Precision.Q5_K_M: PrecisionSpec(5.69, 5),
+    Precision.AWQ: PrecisionSpec(4.25, 6, needs_gpu=True, gguf=False),
+    Precision.Q4_K_M: PrecisionSpec(4.89, 6),
+    Precision.Q4_0: PrecisionSpec(4.5, 7),
+    Precision.Q3_K_M: PrecisionSpec(3.91, 8),
+    Precision.Q2_K: PrecisionSpec(2.96, 9),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class BranchId:
+    """``model:branch``, the name a client may pin (``tiny-llama:q4_k_m``)."""
+
+    model: str
+    branch: str
+
+    def __str__(self) -> str:
+        return f"{self.model}:{self.branch}"

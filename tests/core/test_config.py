@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from quantroute.cli import _overrides, build_parser
+from quantroute.config import DEMO_REPO, load_settings
+from quantroute.errors import ConfigError
+
+
+def test_defaults_serve_the_packaged_demo_on_loopback() -> None:
+    s = load_settings()
+    assert s.repo == DEMO_REPO
+    assert (s.server.host, s.server.port) == ("127.0.0.1", 8000)
+
+
+def test_precedence_flags_over_env_over_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tmp_path / "qr.yaml"
+    cfg.write_text("server:\n  port: 7001\n  keepalive_s: 3\nengine:\n  parallel: 2\n")
+    assert load_settings(cfg).server.port == 7001
+    monkeypatch.setenv("QUANTROUTE_SERVER__PORT", "7002")
+    s = load_settings(cfg)
+    assert (s.server.port, s.server.keepalive_s, s.engine.parallel) == (7002, 3.0, 2)
+    assert load_settings(cfg, server={"port": "7003"}).server.port == 7003
+
+
+def test_config_file_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "qr.yaml"
+    cfg.write_text("limits:\n  max_n: 2\n")
+    monkeypatch.setenv("QUANTROUTE_CONFIG", str(cfg))
+    assert load_settings().limits.max_n == 2
+
+
+def test_missing_config_file_and_bad_values_are_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        load_settings(tmp_path / "absent.yaml")
+    with pytest.raises(ValueError):
+        load_settings(server={"port": 70000})
+    with pytest.raises(ValueError):
+        load_settings(nonsense=1)
+
+
+def test_cli_flags_come_from_the_settings_tree() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--port", "9001", "--engine-parallel", "8", "--repo", "/models"]
+    )
+    tree = _overrides(args)
+    assert tree == {"server": {"port": "9001"}, "engine": {"parallel": "8"}, "repo": "/models"}
+    s = load_settings(None, **tree)
+    assert (s.server.port, s.engine.parallel, s.repo) == (9001, 8, Path("/models"))
+
+
+def test_every_subcommand_has_help(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--help"], ["serve", "--help"], ["demo", "--help"], ["demo", "build", "--help"]):
+        with pytest.raises(SystemExit) as info:
+            build_parser().parse_args(argv)
+        assert info.value.code == 0
+        assert "usage: quantroute" in capsys.readouterr().out

@@ -1,0 +1,189 @@
+"""The llama.cpp engine on the real demo model, in real worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from qrtest import demo_model_dir
+from quantroute.engines.base import (
+    FinishEvent,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    StartEvent,
+    TokenEvent,
+)
+from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
+from quantroute.engines.supervisor import RestartPolicy
+from quantroute.errors import ContextLengthExceededError, EngineCrashedError
+
+pytestmark = pytest.mark.slow
+
+
+async def _engine(branch: str = "q8_0", parallel: int = 4) -> LlamaCppEngine:
+    engine = LlamaCppEngine(
+        f"tiny-llama:{branch}",
+        demo_model_dir() / f"{branch}.gguf",
+        WorkerOptions(parallel=parallel, n_threads=2),
+        RestartPolicy(backoff_s=0.2, backoff_max_s=1.0),
+    )
+    await engine.start()
+    assert engine.ready
+    return engine
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[LlamaCppEngine]:
+    e = await _engine()
+    yield e
+    await e.stop()
+
+
+def _req(prompt: str = "def ", **sampling: object) -> GenerationRequest:
+    params = {"max_tokens": 32, "temperature": 0.0} | sampling
+    return GenerationRequest("t", prompt, SamplingParams(**params))  # type: ignore[arg-type]
+
+
+async def _run(
+    engine: LlamaCppEngine, req: GenerationRequest
+) -> tuple[str, FinishEvent, list[float]]:
+    text, stamps, finish = [], [], None
+    async for ev in engine.generate(req):
+        if isinstance(ev, TokenEvent):
+            text.append(ev.text)
+            stamps.append(time.perf_counter())
+        elif isinstance(ev, FinishEvent):
+            text.append(ev.text)
+            finish = ev
+    assert finish is not None
+    return "".join(text), finish, stamps
+
+
+async def test_info_reports_the_model(engine: LlamaCppEngine) -> None:
+    info = engine.info
+    assert info is not None
+    assert info.n_ctx == info.n_ctx_train == 512
+    assert info.parallel == 4 and info.chat_template is None
+    assert info.bos_token == "<s>" and info.eos_token == "</s>"
+
+
+async def test_greedy_generation_is_deterministic_and_python_like(engine: LlamaCppEngine) -> None:
+    a, fin_a, _ = await _run(engine, _req("import os\n\ndef ", max_tokens=64))
+    b, fin_b, _ = await _run(engine, _req("import os\n\ndef ", max_tokens=64))
+    assert a == b and fin_a.completion_tokens == fin_b.completion_tokens
+    assert fin_a.prompt_tokens == len("import os\n\ndef ") + 1  # byte-level + BOS
+    assert sum(c.isprintable() or c in "\n\t" for c in a) / max(len(a), 1) > 0.95
+
+
+async def test_seeded_sampling_repeats_and_differs_by_seed(engine: LlamaCppEngine) -> None:
+    runs = [
+        await _run(engine, _req(temperature=0.9, seed=s, max_tokens=48, ignore_eos=True))
+        for s in (1, 1, 2)
+    ]
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][0] != runs[2][0]
+
+
+async def test_max_tokens_and_stop_sequences(engine: LlamaCppEngine) -> None:
+    _text, fin, _ = await _run(engine, _req(max_tokens=7, ignore_eos=True))
+    assert fin.reason is FinishReason.LENGTH and fin.completion_tokens == 7
+    full, _, _ = await _run(engine, _req("class ", max_tokens=80, ignore_eos=True))
+    stop = full[10:13]
+    cut, fin, _ = await _run(engine, _req("class ", max_tokens=80, ignore_eos=True, stop=(stop,)))
+    assert fin.reason is FinishReason.STOP
+    assert cut == full[: full.index(stop)]
+
+
+async def test_logprobs_are_log_probabilities(engine: LlamaCppEngine) -> None:
+    events = [ev async for ev in engine.generate(_req(max_tokens=5, logprobs=True, top_logprobs=3))]
+    toks = [e for e in events if isinstance(e, TokenEvent)]
+    assert toks and all(t.logprob is not None and t.logprob <= 0 for t in toks)
+    for t in toks:  # greedy: the chosen token is the most likely one
+        assert t.top_logprobs[0][0] == t.token_id
+        assert [lp for _, _, lp in t.top_logprobs] == sorted(
+            (lp for _, _, lp in t.top_logprobs), reverse=True
+        )
+
+
+async def test_context_window_is_enforced_before_start(engine: LlamaCppEngine) -> None:
+    with pytest.raises(ContextLengthExceededError) as info:
+        async for _ in engine.generate(_req("x" * 400, max_tokens=200)):
+            pass
+    assert (info.value.prompt_tokens, info.value.max_tokens, info.value.n_ctx) == (401, 200, 512)
+
+
+async def test_concurrent_requests_are_batched_not_queued(engine: LlamaCppEngine) -> None:
+    n_tokens = 200
+    req = _req(max_tokens=n_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    _, _, _single = await _run(engine, req)
+    one = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(_run(engine, req) for _ in range(4)))
+    four = time.perf_counter() - t0
+    firsts = [stamps[0] for _, _, stamps in results]
+    lasts = [stamps[-1] for _, _, stamps in results]
+    # Every stream has started before any has finished: they share batches.
+    assert max(firsts) < min(lasts)
+    assert four < 3.0 * one, (one, four)
+    assert all(fin.completion_tokens == n_tokens for _, fin, _ in results)
+
+
+async def test_cancel_frees_the_sequence_within_100ms() -> None:
+    engine = await _engine(parallel=1)
+    try:
+        stream = engine.generate(_req(max_tokens=450, ignore_eos=True))
+        seen = 0
+        async for ev in stream:
+            seen += isinstance(ev, TokenEvent)
+            if seen == 5:
+                break
+        await stream.aclose()  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
+        # With one slot, the next request can only start once the cancelled one stopped decoding.
+        async for ev in engine.generate(_req(max_tokens=1)):
+            if isinstance(ev, TokenEvent):
+                break
+        assert time.perf_counter() - t0 < 0.1
+    finally:
+        await engine.stop()
+
+
+async def test_worker_killed_mid_stream_fails_cleanly_and_restarts(engine: LlamaCppEngine) -> None:
+    pid = engine.pid
+    assert pid is not None
+    got = 0
+    with pytest.raises(EngineCrashedError):
+        async for ev in engine.generate(_req(max_tokens=450, ignore_eos=True)):
+            if isinstance(ev, StartEvent):
+                continue
+            got += 1
+            if got == 3:
+                os.kill(pid, signal.SIGKILL)
+    assert not engine.ready
+    for _ in range(100):
+        if engine.ready:
+            break
+        await asyncio.sleep(0.1)
+    assert engine.ready and engine.pid not in (None, pid) and engine.restarts == 1
+    _text, fin, _ = await _run(engine, _req(max_tokens=4, ignore_eos=True))
+    assert fin.completion_tokens == 4
+
+
+async def test_a_broken_model_file_never_raises_and_keeps_retrying(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    engine = LlamaCppEngine(
+        "x:bad", bad, WorkerOptions(), RestartPolicy(backoff_s=0.05, backoff_max_s=0.1)
+    )
+    await engine.start()
+    assert not engine.ready
+    await asyncio.sleep(1.0)
+    assert engine.restarts >= 2
+    await engine.stop()
