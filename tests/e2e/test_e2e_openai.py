@@ -194,3 +194,27 @@ def test_worker_killed_mid_stream(
             time.sleep(0.2)
     assert again.choices[0].finish_reason in ("stop", "length")
     assert _worker_pid(proc, "q8_0") != pid
+
+
+def test_client_disconnect_frees_the_sequences(server: tuple[str, subprocess.Popen[bytes]]) -> None:
+    """Four clients fill q8_0's four sequences and hang up after one chunk. Had their
+    generations gone on (~450 tokens each), a fifth request would wait for a slot."""
+    base = server[0]
+    body = {
+        "model": "tiny-llama:q8_0",
+        "prompt": "x",
+        "max_tokens": 480,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.Client(base_url=base, timeout=30) as http:
+        streams = [http.stream("POST", "/v1/completions", json=body) for _ in range(4)]
+        responses = [s.__enter__() for s in streams]
+        for r in responses:
+            next(line for line in r.iter_lines() if line.startswith("data: {"))
+        for s in streams:
+            s.__exit__(None, None, None)
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{base}/v1/completions", json=body | {"max_tokens": 2}) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: {"))
+    assert time.perf_counter() - t0 < 0.5

@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import AsyncIterator
 
+import numpy as np
 import pytest
 
 from qrtest import demo_model_dir
@@ -187,3 +188,19 @@ async def test_a_broken_model_file_never_raises_and_keeps_retrying(tmp_path) -> 
     await asyncio.sleep(1.0)
     assert engine.restarts >= 2
     await engine.stop()
+
+
+async def test_score_reproduces_greedy_generation(engine: LlamaCppEngine) -> None:
+    prompt = "def parse(text):\n"
+    events = [
+        e
+        async for e in engine.generate(_req(prompt, max_tokens=24, logprobs=True, ignore_eos=True))
+    ]
+    toks = [e for e in events if isinstance(e, TokenEvent)]
+    rows = await engine.score(prompt, [t.token_id for t in toks])
+    assert rows.shape == (24, engine.info.n_vocab)  # type: ignore[union-attr]
+    assert [int(r.argmax()) for r in rows] == [t.token_id for t in toks]
+    for row, tok in zip(rows, toks, strict=True):
+        # prefill and one-token decode use different kernels: close, not bit-equal
+        assert row[tok.token_id] == pytest.approx(tok.logprob, abs=1e-2)
+    assert np.exp(rows).sum(axis=1) == pytest.approx(np.ones(24), abs=1e-4)

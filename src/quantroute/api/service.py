@@ -153,6 +153,7 @@ class CompletionService:
                 top_logprobs=req.top_logprobs or 0,
             )
             prompts = [prompt.text] * req.n
+            special = prompt.template == "model"
             kind: Kind = "chat"
             logprobs = req.logprobs
         else:
@@ -164,6 +165,7 @@ class CompletionService:
                 top_logprobs=req.logprobs or 0,
             )
             prompts = [p for p in req.prompts for _ in range(req.n)]
+            special = False
             kind = "completion"
             logprobs = req.logprobs is not None
         requests = tuple(
@@ -171,6 +173,7 @@ class CompletionService:
                 f"{job_id}.{i}",
                 prompt,
                 sampling if seed is None else replace(sampling, seed=(seed + i) & _SEED_MASK),
+                parse_special=special,
             )
             for i, prompt in enumerate(prompts)
         )

@@ -45,11 +45,14 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """A prompt that is either text (tokenized by the engine, with BOS) or tokens."""
+    """A text prompt; the engine tokenizes it and adds BOS."""
 
     request_id: str
     prompt: str
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Parse special-token text (``<|im_start|>``) as special tokens: only for prompts a
+    # model's chat template wrote, never for raw client text.
+    parse_special: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ supervisor restarts it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import itertools
 import json
@@ -18,6 +19,9 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from quantroute.engines.base import (
     EngineEvent,
@@ -61,13 +65,10 @@ class LlamaCppEngine:
         model_path: Path,
         options: WorkerOptions,
         policy: RestartPolicy,
-        *,
-        special_prompts: bool = False,
     ):
         self.name = name
         self.model_path = model_path
         self._options = options
-        self._special_prompts = special_prompts
         self._info: EngineInfo | None = None
         self._ready = False
         self._streams: dict[str, asyncio.Queue[_Item]] = {}
@@ -166,7 +167,11 @@ class LlamaCppEngine:
     async def _read(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
         while line := await proc.stdout.readline():
-            event = json.loads(line)
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                log.error("%s: unreadable line from the worker dropped", self.name)
+                continue
             stream = self._streams.get(event.get("id", ""))
             if stream is not None:
                 stream.put_nowait(event)
@@ -176,6 +181,45 @@ class LlamaCppEngine:
         if proc is None or proc.stdin is None or proc.returncode is not None or not self._ready:
             raise EngineUnavailableError(f"branch {self.name} is not ready")
         proc.stdin.write(json.dumps(command, separators=(",", ":")).encode() + b"\n")
+
+    # -- scoring --------------------------------------------------------------
+
+    async def score(
+        self, prompt: str, tokens: list[int], *, parse_special: bool = False
+    ) -> npt.NDArray[np.float32]:
+        """Teacher-force ``tokens`` after ``prompt``; return the log-softmax rows
+        that predicted each of them, ``[len(tokens), n_vocab]``."""
+        rid = f"score.{next(self._ids)}"
+        stream: asyncio.Queue[_Item] = asyncio.Queue()
+        self._streams[rid] = stream
+        done = False
+        try:
+            self._send(
+                {
+                    "op": "score",
+                    "id": rid,
+                    "prompt": prompt,
+                    "special": parse_special,
+                    "tokens": tokens,
+                }
+            )
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if item["ev"] == "rows":
+                    done = True
+                    data = base64.b64decode(item["data"])
+                    return np.frombuffer(data, dtype=np.float32).reshape(item["shape"])
+                if item["ev"] == "err":
+                    done = True
+                    raise _worker_error(self.name, item)
+        finally:
+            self._streams.pop(rid, None)
+            if not done:
+                with contextlib.suppress(EngineError):
+                    self._send({"op": "cancel", "id": rid})
 
     # -- generation -----------------------------------------------------------
 
@@ -191,7 +235,7 @@ class LlamaCppEngine:
                     "op": "gen",
                     "id": rid,
                     "prompt": request.prompt,
-                    "special": self._special_prompts,
+                    "special": request.parse_special,
                     "s": {
                         "max_tokens": s.max_tokens,
                         "fit_context": s.fit_context,
@@ -202,8 +246,8 @@ class LlamaCppEngine:
                         "stop": list(s.stop),
                         "logprobs": s.logprobs,
                         "top_logprobs": s.top_logprobs,
-                    "logit_bias": [list(pair) for pair in s.logit_bias],
-                    "ignore_eos": s.ignore_eos,
+                        "logit_bias": [list(pair) for pair in s.logit_bias],
+                        "ignore_eos": s.ignore_eos,
                     },
                 }
             )

@@ -8,6 +8,7 @@ prints can corrupt the protocol).
 Commands::
 
     {"op": "gen", "id": "r1", "prompt": "...", "special": false, "s": {sampling}}
+    {"op": "score", "id": "r2", "prompt": "...", "special": false, "tokens": [101, 7]}
     {"op": "cancel", "id": "r1"}
     {"op": "shutdown"}
 
@@ -17,6 +18,7 @@ Events::
     {"ev": "start", "id": "r1", "pt": 12}
     {"ev": "tok", "id": "r1", "t": "def", "tok": 101, "lp": -0.3, "top": [[id, text, lp]]}
     {"ev": "fin", "id": "r1", "reason": "stop", "pt": 12, "ct": 40, "t": ""}
+    {"ev": "rows", "id": "r2", "shape": [2, 354], "data": "<base64 float32 log-softmax rows>"}
     {"ev": "err", "id": "r1", "code": "context_length_exceeded", "msg": "...", ...}
 
 Scheduling is continuous batching: every step puts the next token of every
@@ -26,6 +28,7 @@ decoding sequence and a slice of any waiting prompt into one ``llama_decode``.
 from __future__ import annotations
 
 import argparse
+import base64
 import codecs
 import ctypes
 import json
@@ -41,7 +44,7 @@ from typing import IO, Any
 import llama_cpp as lc
 import numpy as np
 
-from quantroute.engines.sampling import sample
+from quantroute.engines.sampling import log_softmax, sample
 from quantroute.engines.stops import StopMatcher
 
 log = logging.getLogger("quantroute.worker")
@@ -62,6 +65,8 @@ class Sequence:
     bias_ids: np.ndarray[Any, Any] | None = None
     bias_values: np.ndarray[Any, Any] | None = None
     ignore_eos: bool = False
+    first_scored: int = -1  # >= 0: a scoring job; log-softmax rows from this position on
+    rows: list[np.ndarray[Any, Any]] = field(default_factory=list)
     slot: int = -1
     fed: int = 0  # prompt tokens already in the KV cache
     n_past: int = 0
@@ -177,8 +182,26 @@ class Worker:
             try:
                 self.admit(cmd)
             except (KeyError, TypeError, ValueError) as exc:  # a malformed command fails alone
-                self.emit({"ev": "err", "id": cmd.get("id", ""), "code": "engine_error",
-                           "msg": f"bad command: {type(exc).__name__}"})
+                self.emit(
+                    {
+                        "ev": "err",
+                        "id": cmd.get("id", ""),
+                        "code": "engine_error",
+                        "msg": f"bad command: {type(exc).__name__}",
+                    }
+                )
+        elif cmd["op"] == "score":
+            try:
+                self.admit_score(cmd)
+            except (KeyError, TypeError, ValueError) as exc:
+                self.emit(
+                    {
+                        "ev": "err",
+                        "id": cmd.get("id", ""),
+                        "code": "engine_error",
+                        "msg": f"bad command: {type(exc).__name__}",
+                    }
+                )
         elif cmd["op"] == "cancel":
             self.cancel(cmd["id"])
 
@@ -213,7 +236,9 @@ class Worker:
             stops=StopMatcher(tuple(s["stop"])),
             ignore_eos=bool(s.get("ignore_eos")),
         )
-        bias = [(int(t), float(b)) for t, b in s.get("logit_bias", ()) if 0 <= int(t) < self.n_vocab]
+        bias = [
+            (int(t), float(b)) for t, b in s.get("logit_bias", ()) if 0 <= int(t) < self.n_vocab
+        ]
         if seq.ignore_eos:
             bias += [(t, -np.inf) for t in self.eog_tokens]
         if bias:
@@ -221,6 +246,54 @@ class Worker:
             seq.bias_values = np.array([b for _, b in bias], dtype=np.float32)
         self.emit({"ev": "start", "id": rid, "pt": len(prompt)})
         self.waiting.append(seq)
+
+    def admit_score(self, cmd: dict[str, Any]) -> None:
+        """Teacher-force ``prompt + tokens``; answer the log-softmax row that predicted
+        each of ``tokens`` (the drift monitor compares them across branches)."""
+        rid = cmd["id"]
+        prompt = self.tokenize(cmd["prompt"], bool(cmd.get("special")))
+        tokens = [int(t) for t in cmd["tokens"]]
+        if not tokens or len(prompt) + len(tokens) > self.n_ctx:
+            self.emit(
+                {
+                    "ev": "err",
+                    "id": rid,
+                    "code": "context_length_exceeded",
+                    "pt": len(prompt),
+                    "max_tokens": len(tokens),
+                    "n_ctx": self.n_ctx,
+                }
+            )
+            return
+        seq = Sequence(
+            rid=rid,
+            prompt=prompt + tokens[:-1],
+            max_tokens=0,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=0,
+            logprobs=False,
+            n_top=0,
+            rng=np.random.default_rng(0),
+            stops=StopMatcher(()),
+            first_scored=len(prompt) - 1,
+        )
+        self.emit({"ev": "start", "id": rid, "pt": len(prompt)})
+        self.waiting.append(seq)
+
+    def finish_score(self, seq: Sequence) -> None:
+        rows = np.stack(seq.rows).astype(np.float32)  # [T, V]
+        self.emit(
+            {
+                "ev": "rows",
+                "id": seq.rid,
+                "shape": list(rows.shape),
+                "data": base64.b64encode(rows.tobytes()).decode(),
+            }
+        )
+        del self.active[seq.rid]
+        lc.llama_memory_seq_rm(self.mem, seq.slot, -1, -1)
+        self.free_slots.append(seq.slot)
 
     def cancel(self, rid: str) -> None:
         seq = self.active.get(rid)
@@ -281,6 +354,7 @@ class Worker:
     def step(self) -> None:
         batch, n = self.batch, 0
         outputs: list[tuple[int, Sequence]] = []
+        scoring: list[tuple[int, Sequence]] = []
         for seq in self.active.values():  # decoding sequences first: one token each
             if seq.next_token is not None:
                 self._put(n, seq.next_token, seq.n_past, seq.slot, True)
@@ -292,9 +366,13 @@ class Worker:
             if seq.prefilling and n < self.n_batch:
                 take = min(len(seq.prompt) - seq.fed, self.n_batch - n)
                 for j in range(take):
-                    last = seq.fed + j == len(seq.prompt) - 1
-                    self._put(n, seq.prompt[seq.fed + j], seq.n_past, seq.slot, last)
-                    if last:
+                    pos = seq.fed + j
+                    last = pos == len(seq.prompt) - 1
+                    scored = 0 <= seq.first_scored <= pos
+                    self._put(n, seq.prompt[pos], seq.n_past, seq.slot, last or scored)
+                    if scored:
+                        scoring.append((n, seq))
+                    elif last:
                         outputs.append((n, seq))
                     seq.n_past += 1
                     n += 1
@@ -317,6 +395,12 @@ class Worker:
             return
         for index, seq in outputs:
             self._advance(seq, index)
+        for index, seq in scoring:
+            ptr = lc.llama_get_logits_ith(self.ctx, index)
+            seq.rows.append(log_softmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
+        for seq in {id(s): s for _, s in scoring}.values():
+            if not seq.prefilling:
+                self.finish_score(seq)
 
     def _put(self, i: int, token: int, pos: int, slot: int, logits: bool) -> None:
         b = self.batch

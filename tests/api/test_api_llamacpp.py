@@ -1,0 +1,158 @@
+"""The real app (lifespan, routing, SSE) on real llama.cpp workers, in-process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from qrtest import demo_model_dir
+from quantroute.api.app import create_app
+from quantroute.config import load_settings
+from quantroute.demo.gguf_export import copy_gguf_with_metadata
+from quantroute.registry.manifest import sha256_file
+
+pytestmark = pytest.mark.slow
+
+EVIL = "{{ cycler.__init__.__globals__.os.popen('touch MARKER').read() }}"
+CHATML = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _repo_with_template(root: Path, template: str) -> Path:
+    """A one-branch model whose GGUF carries ``template`` as its chat template."""
+    model = root / "templated"
+    model.mkdir(parents=True)
+    copy_gguf_with_metadata(
+        demo_model_dir() / "q4_k_m.gguf",
+        model / "q4_k_m.gguf",
+        {"tokenizer.chat_template": template},
+    )
+    manifest = {
+        "model": "templated",
+        "reference": "q4_k_m",
+        "branches": {
+            "q4_k_m": {
+                "file": "q4_k_m.gguf",
+                "precision": "q4_k_m",
+                "sha256": sha256_file(model / "q4_k_m.gguf"),
+            }
+        },
+    }
+    (model / "quantroute.yaml").write_text(yaml.safe_dump(manifest))
+    return root
+
+
+class _App:
+    def __init__(self, repo: Path):
+        self.app = create_app(load_settings(repo=repo, engine={"parallel": 2, "n_threads": 2}))
+
+    async def __aenter__(self) -> httpx.AsyncClient:
+        self._lifespan = self.app.router.lifespan_context(self.app)
+        await self._lifespan.__aenter__()
+        self._client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.app), base_url="http://qr", timeout=60
+        )
+        return self._client
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._client.aclose()
+        await self._lifespan.__aexit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def demo_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    repo = tmp_path_factory.mktemp("repo")
+    shutil.copytree(demo_model_dir(), repo / "tiny-llama")
+    return repo
+
+
+@pytest.fixture
+async def client(demo_repo: Path) -> AsyncIterator[httpx.AsyncClient]:
+    async with _App(demo_repo) as c:
+        yield c
+
+
+async def test_every_branch_answers_and_is_named(client: httpx.AsyncClient) -> None:
+    ready = (await client.get("/readyz")).json()
+    assert ready["ready_branches"] == {"tiny-llama": ["f16", "q8_0", "q4_k_m"]}
+    for branch in ("f16", "q8_0", "q4_k_m"):
+        r = await client.post(
+            "/v1/completions",
+            json={
+                "model": f"tiny-llama:{branch}",
+                "prompt": "def ",
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
+        assert r.status_code == 200
+        assert r.headers["x-quantroute-branch"] == f"tiny-llama:{branch}"
+        assert r.json()["usage"]["completion_tokens"] == 8
+
+
+async def test_stream_equals_whole_and_n_choices_differ_by_seed(client: httpx.AsyncClient) -> None:
+    body: dict[str, Any] = {
+        "model": "tiny-llama",
+        "prompt": "for i in ",
+        "max_tokens": 30,
+        "temperature": 0.8,
+        "seed": 11,
+        "n": 2,
+        "ignore_eos": True,
+    }
+    whole = (await client.post("/v1/completions", json=body)).json()
+    r = await client.post("/v1/completions", json=body | {"stream": True})
+    texts = ["", ""]
+    for block in r.text.split("\n\n"):
+        if block.startswith("data: {"):
+            for c in json.loads(block[6:])["choices"]:
+                texts[c["index"]] += c["text"]
+    assert texts == [c["text"] for c in whole["choices"]]
+    assert texts[0] != texts[1]  # seed + i per choice
+
+
+async def test_unsafe_chat_template_is_refused_and_nothing_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    repo = _repo_with_template(tmp_path / "repo", EVIL.replace("MARKER", str(marker)))
+    async with _App(repo) as c:
+        r = await c.post(
+            "/v1/chat/completions",
+            json={
+                "model": "templated",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+            },
+        )
+        assert r.status_code == 500
+        assert r.json()["error"]["code"] == "chat_template_error"
+        assert not marker.exists()
+        ok = await c.post(
+            "/v1/completions", json={"model": "templated", "prompt": "x", "max_tokens": 2}
+        )
+        assert ok.status_code == 200
+
+
+async def test_model_chat_template_is_used(tmp_path: Path) -> None:
+    repo = _repo_with_template(tmp_path / "repo", CHATML)
+    async with _App(repo) as c:
+        r = await c.post(
+            "/v1/chat/completions",
+            json={
+                "model": "templated",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+            },
+        )
+        assert r.status_code == 200
+        # "<|user|>hi\n<|assistant|>" is 24 byte tokens, plus BOS
+        assert r.json()["usage"]["prompt_tokens"] == 25

@@ -1,0 +1,34 @@
+"""Public API: every package re-exports its public names, and the docs list every setting."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+from quantroute.cli import _leaf_fields
+from quantroute.config import Settings
+
+PACKAGES = ["quantroute.api", "quantroute.engines", "quantroute.registry", "quantroute.routing"]
+
+
+@pytest.mark.parametrize("name", PACKAGES)
+def test_all_names_exist_and_are_sorted(name: str) -> None:
+    module = importlib.import_module(name)
+    exported = module.__all__
+    assert exported == sorted(exported, key=lambda n: (not n.isupper(), n))
+    for member in exported:
+        assert hasattr(module, member), f"{name}.{member}"
+    public = {
+        n
+        for n, v in vars(module).items()
+        if not n.startswith("_") and getattr(v, "__module__", "").startswith(name + ".")
+    }
+    assert public <= set(exported), public - set(exported)
+
+
+def test_configuration_doc_lists_every_setting() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    for path, _ in _leaf_fields(Settings):
+        assert f"`{path}`" in doc, path
