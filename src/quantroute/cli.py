@@ -20,7 +20,7 @@ from quantroute.errors import QuantrouteError
 
 log = logging.getLogger("quantroute")
 
-_SHORT = {"server.host": "--host", "server.port": "--port"}
+_SHORT = {"server.host": "--host", "server.port": "--port", "telemetry.devices": "--devices"}
 
 
 def _leaf_fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, Any]]:
@@ -97,6 +97,35 @@ def cmd_demo_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_devices(args: argparse.Namespace) -> int:
+    """Read the devices once (as the server would) and print them."""
+    import asyncio
+    import json
+
+    from quantroute.telemetry import format_table, snapshot_to_json
+    from quantroute.telemetry.selection import (
+        health_from_settings,
+        margin_from_settings,
+        poller_from_settings,
+        provider_from_settings,
+    )
+
+    telemetry = _settings(args).telemetry
+    provider = provider_from_settings(telemetry)
+    health = health_from_settings(telemetry)
+    try:
+        snapshot = asyncio.run(poller_from_settings(provider, telemetry, health=health).poll_once())
+    finally:
+        provider.close()
+    factors = health.factors(snapshot.device_ids)
+    if args.json:
+        body = snapshot_to_json(snapshot, health=factors, margin=margin_from_settings(telemetry))
+        print(json.dumps(body, indent=2))
+    else:
+        print(format_table(snapshot, health=factors))
+    return 0 if snapshot.devices else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="quantroute",
@@ -112,6 +141,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, default=None, help="YAML settings file")
     _add_settings_flags(serve)
     serve.set_defaults(func=cmd_serve)
+
+    devices = sub.add_parser(
+        "devices",
+        help="show the devices quantroute sees",
+        description="Read every device once (NVML, nvidia-smi, host RAM or simulated) and "
+        "print memory, load and health.",
+    )
+    devices.add_argument("--config", type=Path, default=None, help="YAML settings file")
+    devices.add_argument(
+        "--devices",
+        dest="set:telemetry.devices",
+        default=None,
+        metavar="SPEC",
+        help="device provider, e.g. auto, cpu, sim:2x24GiB",
+    )
+    devices.add_argument("--json", action="store_true", help="print JSON, as GET /v1/devices")
+    devices.set_defaults(func=cmd_devices)
 
     demo = sub.add_parser(
         "demo",

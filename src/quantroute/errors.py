@@ -12,6 +12,9 @@ OpenAI error ``type`` and ``code``, and whether a retry elsewhere may succeed.
     │   └── ManifestError
     │       └── ArtifactIntegrityError        (sha256 mismatch, missing file)
     ├── TemplateError                    500 (chat template refused or failed)
+    ├── DeviceError                      500 (a device provider could not read)
+    ├── InsufficientMemoryError          503 (no device has room for a branch)
+    ├── ServiceUnavailableError          503 (nothing ready; Retry-After)
     └── EngineError                      502 server_error, retryable
         ├── EngineUnavailableError       503 (worker not ready / restarting)
         └── EngineCrashedError           502 (worker died mid-request)
@@ -115,6 +118,24 @@ class EngineUnavailableError(EngineError):
 
 class EngineCrashedError(EngineError):
     code = "engine_crashed"
+
+
+class DeviceError(QuantrouteError):
+    """A device provider could not read its devices (driver gone, tool failed, bad output).
+
+    Raised by :meth:`DeviceProvider.read` and by provider constructors; the
+    message says what failed and what to check, never just "error".
+    """
+
+    code = "device_error"
+
+
+class InsufficientMemoryError(QuantrouteError):
+    """No device (or pair of devices) has the headroom a branch needs."""
+
+    status = 503
+    code = "insufficient_device_memory"
+    retryable = True
 
 
 class ServiceUnavailableError(QuantrouteError):

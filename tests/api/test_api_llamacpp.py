@@ -53,7 +53,7 @@ def _repo_with_template(root: Path, template: str) -> Path:
 
 class _App:
     def __init__(self, repo: Path):
-        self.app = create_app(load_settings(repo=repo, engine={"parallel": 2, "n_threads": 2}))
+        self.app = create_app(load_settings(repo=repo, engine={"parallel": 2, "n_threads": 1}))
 
     async def __aenter__(self) -> httpx.AsyncClient:
         self._lifespan = self.app.router.lifespan_context(self.app)

@@ -37,10 +37,12 @@ def test_config_file_from_environment(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_missing_config_file_and_bad_values_are_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         load_settings(tmp_path / "absent.yaml")
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match=r"server\.port"):
         load_settings(server={"port": 70000})
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="nonsense"):
         load_settings(nonsense=1)
+    with pytest.raises(ConfigError, match="unknown device provider"):
+        load_settings(telemetry={"devices": "bogus"})
 
 
 def test_cli_flags_come_from_the_settings_tree() -> None:
@@ -59,3 +61,12 @@ def test_every_subcommand_has_help(capsys: pytest.CaptureFixture[str]) -> None:
             build_parser().parse_args(argv)
         assert info.value.code == 0
         assert "usage: quantroute" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("workers", "cores", "threads"), [(3, 2, 1), (1, 2, 1), (1, 16, 15), (3, 16, 5), (0, 4, 3)]
+)
+def test_default_threads_split_the_cores(workers: int, cores: int, threads: int) -> None:
+    from quantroute.api.gateway import default_threads
+
+    assert default_threads(workers, cores) == threads

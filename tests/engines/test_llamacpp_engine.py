@@ -31,7 +31,7 @@ async def _engine(branch: str = "q8_0", parallel: int = 4) -> LlamaCppEngine:
     engine = LlamaCppEngine(
         f"tiny-llama:{branch}",
         demo_model_dir() / f"{branch}.gguf",
-        WorkerOptions(parallel=parallel, n_threads=2),
+        WorkerOptions(parallel=parallel, n_threads=1),
         RestartPolicy(backoff_s=0.2, backoff_max_s=1.0),
     )
     await engine.start()

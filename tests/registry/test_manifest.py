@@ -63,4 +63,4 @@ def test_a_bad_model_is_left_out_and_the_others_still_load(model_copy: Path) -> 
     (broken / "quantroute.yaml").write_text("model: broken\n")
     scan = scan_repository(model_copy.parent)
     assert [m.manifest.model for m in scan.models] == ["tiny-llama"]
-    assert len(scan.problems) == 1 and "branches" in scan.problems[0]
+    assert len(scan.problems) == 1 and "reference: Field required" in scan.problems[0]

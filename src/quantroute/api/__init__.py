@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from quantroute.api.app import build_routes, create_app
+from quantroute.api.app import create_app
+from quantroute.api.gateway import Gateway
 
-__all__ = ["build_routes", "create_app"]
+__all__ = ["Gateway", "create_app"]

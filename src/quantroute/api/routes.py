@@ -8,7 +8,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 
+from quantroute.api.gateway import Gateway
 from quantroute.api.render import ResponseRenderer
 from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
 from quantroute.api.service import CompletionService, Run, Tick
@@ -140,3 +142,22 @@ async def readyz(request: Request) -> JSONResponse:
         {"status": "ready" if ready else "not ready", "ready_branches": models},
         status_code=200 if ready else 503,
     )
+
+
+@router.get("/v1/devices")
+async def devices(request: Request) -> dict[str, Any]:
+    gateway: Gateway = request.app.state.gateway
+    return gateway.devices_json()
+
+
+class PressureBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    bytes: int = Field(ge=0, le=1 << 50)
+
+
+@router.put("/admin/devices/{device_id}/pressure")
+async def set_pressure(request: Request, device_id: str, body: PressureBody) -> dict[str, Any]:
+    """Simulated devices only: occupy ``bytes`` of a device, as another tenant would."""
+    gateway: Gateway = request.app.state.gateway
+    gateway.set_pressure(device_id, body.bytes)
+    return {"device": device_id, "pressure_bytes": body.bytes}

@@ -18,7 +18,7 @@ import sys
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -54,6 +54,16 @@ class WorkerOptions:
     n_gpu_layers: int = 0
     log_level: str = "info"
     start_timeout_s: float = 120.0
+    cpus: tuple[int, ...] = ()  # pin the worker to these cores; () leaves it unpinned
+
+
+class WorkerListener(Protocol):
+    """Told when a branch's worker process becomes ready or dies (placement and
+    memory accounting live outside the engine)."""
+
+    def worker_ready(self, engine: LlamaCppEngine, pid: int) -> None: ...
+
+    def worker_exited(self, engine: LlamaCppEngine, returncode: int) -> None: ...
 
 
 class LlamaCppEngine:
@@ -65,8 +75,11 @@ class LlamaCppEngine:
         model_path: Path,
         options: WorkerOptions,
         policy: RestartPolicy,
+        *,
+        listener: WorkerListener | None = None,
     ):
         self.name = name
+        self.listener = listener
         self.model_path = model_path
         self._options = options
         self._info: EngineInfo | None = None
@@ -82,7 +95,10 @@ class LlamaCppEngine:
             str(model_path),
         ]
         for key, value in asdict(options).items():
-            if key != "start_timeout_s":
+            if key == "cpus":
+                if value:
+                    argv += ["--cpus", ",".join(map(str, value))]
+            elif key != "start_timeout_s":
                 argv += [f"--{key.replace('_', '-')}", str(value)]
         self._supervisor = WorkerSupervisor(
             name, argv, on_start=self._on_start, on_exit=self._on_exit, policy=policy
@@ -138,6 +154,8 @@ class LlamaCppEngine:
         self._info = EngineInfo(**hello["info"])
         self._reader = asyncio.create_task(self._read(proc), name=f"read:{self.name}")
         self._ready = True
+        if self.listener is not None:
+            self.listener.worker_ready(self, proc.pid)
         log.info(
             "%s: worker %s ready (n_ctx=%d, parallel=%d)",
             self.name,
@@ -159,6 +177,8 @@ class LlamaCppEngine:
                 f"the worker serving {self.name} stopped unexpectedly (exit {returncode})"
             )
         )
+        if self.listener is not None:
+            self.listener.worker_exited(self, returncode)
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():

@@ -464,11 +464,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-batch", type=int, default=512)
     parser.add_argument("--n-gpu-layers", type=int, default=0)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--cpus", default="", help="comma-separated cores to pin to")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr, format="%(name)s %(levelname)s %(message)s"
     )

@@ -134,6 +134,10 @@ class SimDeviceProvider:
     def name(self) -> str:
         return "sim"
 
+    @property
+    def device_ids(self) -> tuple[str, ...]:
+        return tuple(self._totals)
+
     def _check(self, device_id: str) -> None:
         if device_id not in self._totals:
             raise KeyError(f"no simulated device {device_id!r}; have {sorted(self._totals)}")

@@ -10,25 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from quantroute.errors import QuantrouteError
+from quantroute.errors import DeviceError, InsufficientMemoryError
 
-
-class DeviceError(QuantrouteError):
-    """A device provider could not read its devices (driver gone, tool failed, bad output).
-
-    Raised by :meth:`DeviceProvider.read` and by provider constructors; the
-    message says what failed and what to check, never just "error".
-    """
-
-    code = "device_error"
-
-
-class InsufficientMemoryError(QuantrouteError):
-    """No device (or pair of devices) has the headroom a branch needs."""
-
-    status = 503
-    code = "insufficient_device_memory"
-    retryable = True
+__all__ = [
+    "DeviceError",
+    "DeviceKind",
+    "DeviceStats",
+    "GpuProcess",
+    "InsufficientMemoryError",
+    "MigInstance",
+]
 
 
 class DeviceKind(StrEnum):

@@ -1,0 +1,305 @@
+"""The composition root: branches, their engines, the devices they live on.
+
+``Gateway`` builds one engine per branch of the repository, reads the devices
+(``telemetry``), places each branch on a device by the memory model's
+estimate, and keeps that accounting true as workers come and go: a worker that
+becomes ready is measured (RSS after a warm-up) and its footprint corrected; a
+simulated device's used memory moves with the branches loaded on it; a worker
+that dies counts against its device's health. The lifespan owns one Gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from quantroute.api.service import CompletionService
+from quantroute.config import Settings
+from quantroute.engines.base import GenerationRequest, SamplingParams
+from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
+from quantroute.engines.supervisor import RestartPolicy
+from quantroute.errors import InsufficientMemoryError, InvalidRequestError, NotFoundError
+from quantroute.registry.repository import scan_repository
+from quantroute.routing.table import Branch, ModelRoute, RouteTable, RouteTableRef
+from quantroute.telemetry import (
+    WORKER_RUNTIME_BYTES,
+    DevicePoller,
+    DeviceProvider,
+    Footprint,
+    HealthTracker,
+    SimDeviceProvider,
+    estimate_footprint,
+    measure_process_rss,
+    place,
+    plan_cpu_affinity,
+    read_model_shape,
+    snapshot_to_json,
+)
+from quantroute.telemetry.selection import (
+    CompositeProvider,
+    health_from_settings,
+    margin_from_settings,
+    poller_from_settings,
+    provider_from_settings,
+)
+from quantroute.telemetry.stats import DeviceKind, DeviceStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    device: str | None  # None: no device had room; the branch is not started
+    footprint: Footprint
+
+
+def default_threads(n_workers: int, cores: int | None = None) -> int:
+    """Threads per worker when not configured: the cores split among the workers,
+    one core left to the gateway. llama.cpp's threads spin while they wait, so
+    workers that together ask for more threads than there are cores slow each
+    other down by an order of magnitude on a small host."""
+    cores = cores or len(os.sched_getaffinity(0))
+    return max(1, (cores - 1) // max(n_workers, 1))
+
+
+def find_sim(provider: DeviceProvider) -> SimDeviceProvider | None:
+    if isinstance(provider, SimDeviceProvider):
+        return provider
+    if isinstance(provider, CompositeProvider):
+        return next((p for p in provider.providers if isinstance(p, SimDeviceProvider)), None)
+    return None
+
+
+class Gateway:
+    def __init__(
+        self,
+        settings: Settings,
+        table: RouteTable | None = None,
+        provider: DeviceProvider | None = None,
+    ):
+        self.settings = settings
+        self._given_table = table
+        self._provider = provider
+        self.routes = RouteTableRef(table or RouteTable())
+        self.service = CompletionService(self.routes, settings)
+        self.health: HealthTracker = health_from_settings(settings.telemetry)
+        self.margin = margin_from_settings(settings.telemetry)
+        self.poller: DevicePoller | None = None
+        self.sim: SimDeviceProvider | None = None
+        self.placements: dict[str, Placement] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- building -------------------------------------------------------------
+
+    def build_routes(self) -> RouteTable:
+        """One llama.cpp engine per branch of every model in the repository (not started)."""
+        settings, e = self.settings, self.settings.engine
+        scan = scan_repository(settings.repo)
+        n_workers = sum(len(m.artifacts) for m in scan.models)
+        pinning = (
+            plan_cpu_affinity(n_workers, pinned=settings.telemetry.cpu_affinity)
+            if (e.pin_cpus or settings.telemetry.cpu_affinity) and n_workers
+            else None
+        )
+        policy = RestartPolicy(
+            backoff_s=e.restart_backoff_s,
+            backoff_max_s=e.restart_backoff_max_s,
+            stop_grace_s=e.cancel_grace_s,
+        )
+        routes, index = [], 0
+        for model in scan.models:
+            branches = []
+            for a in model.artifacts:
+                cpus = tuple(sorted(pinning[index])) if pinning else ()
+                index += 1
+                threads = e.n_threads or (len(cpus) if cpus else default_threads(n_workers))
+                options = WorkerOptions(
+                    n_ctx=e.n_ctx,
+                    parallel=e.parallel,
+                    n_threads=threads,
+                    n_batch=e.n_batch,
+                    log_level=settings.server.log_level,
+                    start_timeout_s=e.start_timeout_s,
+                    cpus=cpus,
+                )
+                engine = LlamaCppEngine(
+                    f"{a.model}:{a.name}", a.path, options, policy, listener=self
+                )
+                branches.append(Branch(a.model, a.name, a.precision, a, engine))
+            routes.append(
+                ModelRoute(model.manifest.model, model.manifest.reference, tuple(branches))
+            )
+        return RouteTable.build(routes)
+
+    def _estimate(self, branch: Branch) -> Footprint:
+        if not isinstance(branch.engine, LlamaCppEngine):
+            return Footprint(branch.artifact.size_bytes, 0, 0, 0)
+        shape = read_model_shape(branch.artifact.path)
+        n_ctx = self.settings.engine.n_ctx or shape.n_ctx_train
+        return estimate_footprint(
+            shape,
+            n_ctx,
+            n_parallel=self.settings.engine.parallel,
+            n_batch=self.settings.engine.n_batch,
+            runtime_bytes=WORKER_RUNTIME_BYTES,
+        )
+
+    def _place_all(self, branches: list[Branch]) -> None:
+        snapshot = self.poller.snapshot if self.poller else None
+        devices = list(snapshot.devices) if snapshot else []
+        topology = snapshot.topology if snapshot else None
+        kinds = (
+            {DeviceKind.SIM} if any(d.kind is DeviceKind.SIM for d in devices) else {DeviceKind.CPU}
+        )
+        for branch in branches:
+            footprint = self._estimate(branch)
+            device: str | None = None
+            if devices and topology is not None:
+                try:
+                    device = place(
+                        footprint,
+                        devices,
+                        topology,
+                        self.health.factors(d.id for d in devices),
+                        kinds=kinds,
+                        margin=self.margin,
+                    )[0]
+                except InsufficientMemoryError as exc:
+                    log.error("%s: not started: %s", branch.id, exc.message)
+                devices = [_reserve(d, footprint.bytes) if d.id == device else d for d in devices]
+            else:
+                device = "cpu"
+            self.placements[branch.id] = Placement(device, footprint)
+
+    # -- lifecycle ------------------------------------------------------------
+
+    async def start(self) -> None:
+        provider = self._provider or provider_from_settings(self.settings.telemetry)
+        self._provider = provider
+        self.sim = find_sim(provider)
+        self.poller = poller_from_settings(provider, self.settings.telemetry, health=self.health)
+        await self.poller.poll_once()
+        self.poller.start()
+        table = self._given_table
+        if table is None:
+            table = await asyncio.to_thread(self.build_routes)
+        self.routes.current = table
+        self._place_all(table.branches())
+        startable = [b.engine for b in table.branches() if self.placements[b.id].device]
+        await asyncio.gather(*(engine.start() for engine in startable))
+        log.info("serving %s", ", ".join(b.id for b in table.branches() if b.engine.ready))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for branch in reversed(self.routes.current.branches()):
+            await branch.engine.stop()
+        if self.poller is not None:
+            await self.poller.stop()
+        if self._provider is not None:
+            self._provider.close()
+
+    # -- worker events (WorkerListener) ---------------------------------------
+
+    def worker_ready(self, engine: LlamaCppEngine, pid: int) -> None:
+        placement = self.placements.get(engine.name)
+        if placement is None or placement.device is None:
+            return
+        if self.sim is not None:
+            self.sim.attach(placement.device, engine.name, placement.footprint.bytes)
+        task = asyncio.get_running_loop().create_task(self._measure(engine, pid))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def worker_exited(self, engine: LlamaCppEngine, returncode: int) -> None:
+        placement = self.placements.get(engine.name)
+        if placement is None or placement.device is None:
+            return
+        if self.sim is not None:
+            self.sim.detach(placement.device, engine.name)
+        self.health.record_failure(placement.device, "worker_exit")
+
+    async def _measure(self, engine: LlamaCppEngine, pid: int) -> None:
+        """Warm the worker up (a prompt of one batch), then read its RSS."""
+        info = engine.info
+        if info is None:
+            return
+        warmup = GenerationRequest(
+            "warmup",
+            "x" * min(info.n_ctx - 2, self.settings.engine.n_batch - 1),
+            SamplingParams(max_tokens=1, temperature=0.0),
+        )
+        try:
+            async for _ in engine.generate(warmup):
+                pass
+            measured = measure_process_rss(pid)
+        except Exception as exc:  # a warm-up that fails leaves the estimate standing
+            log.warning("%s: footprint not measured: %s", engine.name, exc)
+            return
+        placement = self.placements[engine.name]
+        footprint = placement.footprint.with_measurement(measured)
+        self.placements[engine.name] = dataclasses.replace(placement, footprint=footprint)
+        if self.sim is not None and placement.device is not None:
+            self.sim.attach(placement.device, engine.name, footprint.bytes)
+        log.info(
+            "%s: footprint %d MiB measured, %d MiB estimated",
+            engine.name,
+            footprint.bytes >> 20,
+            footprint.estimated_bytes >> 20,
+        )
+
+    # -- views ----------------------------------------------------------------
+
+    def devices_json(self) -> dict[str, Any]:
+        assert self.poller is not None
+        snapshot = self.poller.snapshot
+        on_device: dict[str, list[str]] = {}
+        for branch_id, placement in self.placements.items():
+            if placement.device is not None:
+                on_device.setdefault(placement.device, []).append(branch_id)
+        body = snapshot_to_json(
+            snapshot,
+            on_device,
+            health=self.health.factors(snapshot.device_ids),
+            margin=self.margin,
+        )
+        body["branches"] = {
+            branch_id: {
+                "device": p.device,
+                "ready": self._ready(branch_id),
+                "footprint": {
+                    "bytes": p.footprint.bytes,
+                    "estimated_bytes": p.footprint.estimated_bytes,
+                    "measured_bytes": p.footprint.measured_bytes,
+                    "weights_bytes": p.footprint.weights_bytes,
+                    "kv_bytes": p.footprint.kv_bytes,
+                    "compute_bytes": p.footprint.compute_bytes,
+                    "overhead_bytes": p.footprint.overhead_bytes + p.footprint.runtime_bytes,
+                },
+            }
+            for branch_id, p in self.placements.items()
+        }
+        return body
+
+    def set_pressure(self, device_id: str, nbytes: int) -> None:
+        if self.sim is None:
+            raise InvalidRequestError("pressure can only be set on simulated devices")
+        if device_id not in self.sim.device_ids:
+            raise NotFoundError("No such simulated device.", param="device_id", code="not_found")
+        self.sim.set_pressure(device_id, nbytes)
+
+    def _ready(self, branch_id: str) -> bool:
+        return any(b.engine.ready for b in self.routes.current.branches() if b.id == branch_id)
+
+
+def _reserve(device: DeviceStats, nbytes: int) -> DeviceStats:
+    """The device as it will be once a branch of ``nbytes`` is loaded on it."""
+    return dataclasses.replace(
+        device,
+        used_bytes=device.used_bytes + nbytes,
+        free_bytes=max(device.free_bytes - nbytes, 0),
+    )

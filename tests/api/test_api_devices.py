@@ -1,0 +1,119 @@
+"""Device telemetry wired into the gateway: placement, footprints, sim accounting, health."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from qrtest import demo_model_dir
+from quantroute.api.app import create_app
+from quantroute.config import load_settings
+
+pytestmark = pytest.mark.slow
+GiB = 1 << 30
+
+
+@pytest.fixture
+async def sim_client(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    shutil.copytree(demo_model_dir(), tmp_path / "repo" / "tiny-llama")
+    settings = load_settings(
+        repo=tmp_path / "repo",
+        engine={"parallel": 2, "n_threads": 1, "restart_backoff_s": 0.1},
+        telemetry={"devices": "sim:2x24GiB", "poll_interval_s": 0.5},
+    )
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://qr") as client:
+            yield client, app.state.gateway
+
+
+async def _until(predicate: Any, timeout_s: float = 20.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+async def test_branches_are_placed_measured_and_accounted(
+    sim_client: tuple[httpx.AsyncClient, Any],
+) -> None:
+    client, gateway = sim_client
+    await _until(lambda: all(p.footprint.measured_bytes for p in gateway.placements.values()))
+    await gateway.poller.poll_once()
+    body = (await client.get("/v1/devices")).json()
+    assert body["provider"] == "sim" and not body["stale"]
+    branches = body["branches"]
+    assert set(branches) == {"tiny-llama:f16", "tiny-llama:q8_0", "tiny-llama:q4_k_m"}
+    for view in branches.values():
+        fp = view["footprint"]
+        assert view["device"] in ("sim:0", "sim:1") and view["ready"]
+        assert abs(fp["estimated_bytes"] - fp["measured_bytes"]) <= 0.25 * fp["measured_bytes"]
+        assert fp["weights_bytes"] > 0 and fp["kv_bytes"] > 0
+    # Placement spreads by headroom: both devices are used, and used memory is what is attached.
+    devices = {d["id"]: d for d in body["data"]}
+    assert all(devices[i]["branches"] for i in ("sim:0", "sim:1"))
+    for device_id, device in devices.items():
+        attached = sum(
+            b["footprint"]["bytes"] for b in branches.values() if b["device"] == device_id
+        )
+        assert device["memory"]["used_bytes"] == attached
+
+
+async def test_pressure_moves_free_memory_and_is_sim_only(
+    sim_client: tuple[httpx.AsyncClient, Any],
+) -> None:
+    client, gateway = sim_client
+    r = await client.put("/admin/devices/sim:1/pressure", json={"bytes": 20 * GiB})
+    assert r.status_code == 200
+    await gateway.poller.poll_once()
+    device = next(d for d in (await client.get("/v1/devices")).json()["data"] if d["id"] == "sim:1")
+    assert device["memory"]["free_bytes"] < 4 * GiB
+    assert (await client.put("/admin/devices/sim:9/pressure", json={"bytes": 1})).status_code == 404
+    bad = await client.put("/admin/devices/sim:1/pressure", json={"bytes": -1})
+    assert bad.status_code == 400
+
+
+async def test_a_dead_worker_leaves_its_device_and_lowers_its_health(
+    sim_client: tuple[httpx.AsyncClient, Any],
+) -> None:
+    _client, gateway = sim_client
+    await _until(lambda: all(p.footprint.measured_bytes for p in gateway.placements.values()))
+    placement = gateway.placements["tiny-llama:q8_0"]
+    engine = gateway.routes.current.models["tiny-llama"].branch("q8_0").engine
+    before = gateway.sim.attached(placement.device)
+    assert "tiny-llama:q8_0" in before
+    os.kill(engine.pid, signal.SIGKILL)
+    await _until(lambda: "tiny-llama:q8_0" not in gateway.sim.attached(placement.device))
+    assert gateway.health.factor(placement.device) < 1.0
+    await _until(
+        lambda: engine.ready and "tiny-llama:q8_0" in gateway.sim.attached(placement.device)
+    )
+
+
+def test_devices_command_prints_a_table() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "quantroute.cli", "devices", "--devices", "sim:2x24GiB;nvlink=0-1"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "sim:0" in out and "24.0 GiB" in out and "NV1" in out
+    local = subprocess.run(
+        [sys.executable, "-m", "quantroute.cli", "devices", "--devices", "cpu", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert '"id": "cpu"' in local
