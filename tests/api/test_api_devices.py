@@ -117,3 +117,22 @@ def test_devices_command_prints_a_table() -> None:
         check=True,
     ).stdout
     assert '"id": "cpu"' in local
+
+
+async def test_workers_are_pinned_to_their_configured_cores(tmp_path: Path) -> None:
+    import psutil
+
+    shutil.copytree(demo_model_dir(), tmp_path / "repo" / "tiny-llama")
+    cores = sorted(os.sched_getaffinity(0))
+    plan = [[cores[0]], [cores[-1]], [cores[0]]]
+    settings = load_settings(
+        repo=tmp_path / "repo",
+        engine={"parallel": 1},
+        telemetry={"devices": "cpu", "cpu_affinity": plan},
+    )
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        branches = app.state.gateway.routes.current.branches()
+        assert [b.name for b in branches] == ["f16", "q8_0", "q4_k_m"]
+        for branch, cpus in zip(branches, plan, strict=True):
+            assert psutil.Process(branch.engine.pid).cpu_affinity() == cpus
