@@ -1,0 +1,324 @@
+"""How far a quantized branch's next-token distributions are from the reference's.
+
+The definitions are llama.cpp's ``llama-perplexity --kl-divergence``
+(``tools/perplexity/perplexity.cpp``), computed in float64 and without its
+16-bit compression of the reference log-probabilities:
+
+- per token, ``KL(ref ‖ q) = Σ_v p_ref(v) · (log p_ref(v) - log q(v))``;
+- "same top p": the reference's and the branch's argmax agree (ties go to the
+  lowest token id, as llama.cpp's strict ``>`` scan does);
+- ``Δp = p_q(correct) - p_ref(correct)`` for the token that actually follows;
+- means carry a standard error ``sqrt(var / (n - 1))`` (reported as 0 for ten
+  tokens or fewer, as llama.cpp does), top-1 agreement a binomial
+  ``sigma = sqrt(p (1 - p) / (n - 1))``, percentiles interpolate linearly between
+  sorted values.
+
+Every function works on per-token rows, so a drift monitor can score the
+teacher-forced tokens of one live request with the same code.
+
+>>> import numpy as np
+>>> ref = log_softmax(np.array([[2.0, 0.0, -1.0]]))
+>>> float(kl_divergence(ref, ref)[0])
+0.0
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.floating]
+F64Array = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.integer]
+BoolArray = npt.NDArray[np.bool_]
+
+# Rows per internal block are chosen so that one float64 temporary stays near
+# this many elements (32 MiB): a 150k vocabulary is scored ~28 rows at a time.
+BLOCK_ELEMENTS = 1 << 22
+
+
+def log_softmax(logits: npt.ArrayLike) -> F64Array:
+    """Log-probabilities of ``logits`` along the last axis, in float64.
+
+    Stable for widely spread logits (``[0, -1e4]`` stays ``[0, -1e4]``) and for
+    ``-inf`` logits, which become ``-inf`` log-probabilities (probability 0).
+    Raises ``ValueError`` for NaN or ``+inf`` logits, or a row without any
+    finite logit: those are not distributions.
+    """
+    x = np.asarray(logits, dtype=np.float64)  # [..., V]
+    if x.ndim == 0 or x.shape[-1] == 0:
+        raise ValueError("logits need a non-empty last (vocabulary) axis")
+    if np.isnan(x).any() or np.isposinf(x).any():
+        raise ValueError("logits contain NaN or +inf")
+    top = x.max(axis=-1, keepdims=True)  # [..., 1]
+    if np.isneginf(top).any():
+        raise ValueError("a row of logits has no finite value")
+    shifted = x - top  # [..., V], max 0, -inf stays -inf
+    lse = np.log(np.exp(shifted).sum(axis=-1, keepdims=True))  # [..., 1], in [0, log V]
+    out: F64Array = shifted - lse
+    return out
+
+
+def _check_pair(ref_logprobs: FloatArray, q_logprobs: FloatArray) -> None:
+    if ref_logprobs.ndim != 2 or ref_logprobs.shape != q_logprobs.shape:
+        raise ValueError(
+            f"expected two [T, V] arrays of the same shape, got {ref_logprobs.shape} "
+            f"and {q_logprobs.shape}"
+        )
+
+
+def kl_divergence(ref_logprobs: npt.ArrayLike, q_logprobs: npt.ArrayLike) -> F64Array:
+    """Per-token ``KL(ref ‖ q)`` in nats, shape ``[T]``.
+
+    Both inputs are ``[T, V]`` log-probabilities (``log_softmax`` outputs).
+    Tokens the reference gives probability 0 contribute nothing, whatever q
+    says (``0 · log 0 = 0``); a token the reference gives mass and q gives
+    ``-inf`` makes that row ``inf``, which is the true value. Results are
+    clamped at 0: a negative KL is rounding, never information.
+    """
+    ref = np.asarray(ref_logprobs, dtype=np.float64)  # [T, V]
+    q = np.asarray(q_logprobs, dtype=np.float64)  # [T, V]
+    _check_pair(ref, q)
+    out = np.empty(ref.shape[0], dtype=np.float64)  # [T]
+    step = max(1, BLOCK_ELEMENTS // max(1, ref.shape[1]))
+    for lo in range(0, ref.shape[0], step):
+        r = ref[lo : lo + step]  # [B, V]
+        qb = q[lo : lo + step]  # [B, V]
+        mass = r != -np.inf  # [B, V]; where the reference has no mass, skip (0 · log 0)
+        terms = np.zeros_like(r)  # [B, V]
+        np.subtract(r, qb, out=terms, where=mass)
+        with np.errstate(invalid="ignore"):  # 0 · inf where p underflowed: fixed below
+            np.multiply(np.exp(r), terms, out=terms, where=mass)
+        row = terms.sum(axis=1)  # [B]
+        # Mass where q has none is an infinite divergence even if p underflowed to 0.
+        row[(mass & (qb == -np.inf)).any(axis=1)] = np.inf
+        out[lo : lo + step] = row
+    np.maximum(out, 0.0, out=out)
+    return out
+
+
+def top1_agreement(ref_logprobs: npt.ArrayLike, q_logprobs: npt.ArrayLike) -> BoolArray:
+    """Per token, whether both distributions put their maximum on the same token: ``[T]``.
+
+    Ties resolve to the lowest token id in each distribution separately.
+    """
+    ref = np.asarray(ref_logprobs)  # [T, V]
+    q = np.asarray(q_logprobs)  # [T, V]
+    _check_pair(ref, q)
+    same: BoolArray = np.argmax(ref, axis=1) == np.argmax(q, axis=1)  # [T]
+    return same
+
+
+def token_logprob(logprobs: npt.ArrayLike, tokens: npt.ArrayLike) -> F64Array:
+    """The log-probability each row gives its token: ``logprobs[t, tokens[t]]``, shape ``[T]``."""
+    lp = np.asarray(logprobs, dtype=np.float64)  # [T, V]
+    tok = np.asarray(tokens)  # [T]
+    if lp.ndim != 2 or tok.shape != (lp.shape[0],):
+        raise ValueError(f"expected [T, V] log-probs and [T] tokens, got {lp.shape}, {tok.shape}")
+    if not np.issubdtype(tok.dtype, np.integer):
+        raise ValueError("tokens must be integers")
+    if tok.size and (tok.min() < 0 or tok.max() >= lp.shape[1]):
+        raise ValueError("a token id is outside the vocabulary")
+    out: F64Array = np.take_along_axis(lp, tok[:, None].astype(np.intp), axis=1)[:, 0]
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class QualityStats:
+    """One branch's quality against the reference over ``n_tokens`` scored tokens.
+
+    KLD values are in nats; ``top1`` and ``rms_dp`` are fractions (not %);
+    ``ppl_*`` are perplexities; ``ln_ppl_ratio`` is ``ln(PPL(Q) / PPL(ref))``.
+    Each ``*_stderr`` is one standard error, ``top1_sigma`` the binomial one.
+    """
+
+    n_tokens: int
+    mean_kld: float
+    kld_stderr: float
+    kld_median: float
+    kld_p90: float
+    kld_p99: float
+    kld_p999: float
+    kld_max: float
+    top1: float
+    top1_sigma: float
+    ppl_q: float
+    ppl_q_stderr: float
+    ppl_ref: float
+    ppl_ref_stderr: float
+    ln_ppl_ratio: float
+    ln_ppl_ratio_stderr: float
+    mean_dp: float
+    mean_dp_stderr: float
+    rms_dp: float
+    rms_dp_stderr: float
+
+
+def _mean_stderr(x: F64Array) -> tuple[float, float]:
+    """llama.cpp's ``mean_and_uncertainty``: mean and ``sqrt(var / (n - 1))``, 0 if n <= 10."""
+    n = len(x)
+    if not np.isfinite(x).all():
+        with np.errstate(invalid="ignore"):
+            return float(x.mean()), math.inf
+    mean = float(x.mean())
+    var = float(np.mean((x - mean) ** 2))
+    return mean, math.sqrt(var / (n - 1)) if var > 0 and n > 10 else 0.0
+
+
+def _exp(x: float) -> float:
+    return math.inf if x > 709.0 else math.exp(x)
+
+
+def percentile(sorted_values: F64Array, fraction: float) -> float:
+    """llama.cpp's percentile of ascending values: linear between ranks ``fraction·(n - 1)``.
+
+    Unlike a plain lerp it never turns ``inf`` neighbours into NaN.
+    """
+    n = len(sorted_values)
+    if n == 0:
+        raise ValueError("no values")
+    if fraction <= 0:
+        return float(sorted_values[0])
+    if fraction >= 1:
+        return float(sorted_values[-1])
+    pos = fraction * (n - 1)
+    i = int(pos)
+    w = pos - i
+    lo, hi = float(sorted_values[i]), float(sorted_values[min(i + 1, n - 1)])
+    if w == 0.0 or lo == hi:
+        return lo
+    return (1.0 - w) * lo + w * hi
+
+
+def summarize(
+    kld: npt.ArrayLike,
+    nll_q: npt.ArrayLike,
+    nll_ref: npt.ArrayLike,
+    same_top1: npt.ArrayLike,
+) -> QualityStats:
+    """Aggregate per-token values (each ``[T]``) into :class:`QualityStats`.
+
+    ``nll_*`` are the negative log-probabilities each model gave the token that
+    followed; ``same_top1`` is :func:`top1_agreement`'s output.
+    """
+    k = np.asarray(kld, dtype=np.float64)  # [T]
+    nq = np.asarray(nll_q, dtype=np.float64)  # [T]
+    nr = np.asarray(nll_ref, dtype=np.float64)  # [T]
+    same = np.asarray(same_top1, dtype=bool)  # [T]
+    n = len(k)
+    if n == 0:
+        raise ValueError("no tokens were scored")
+    if not (k.shape == nq.shape == nr.shape == same.shape == (n,)):
+        raise ValueError("per-token arrays must all be [T]")
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        dp = np.exp(-nq) - np.exp(-nr)  # [T], Δp of the correct token
+        mean_kld, kld_se = _mean_stderr(k)
+        ln_q, ln_q_se = _mean_stderr(nq)
+        ln_r, ln_r_se = _mean_stderr(nr)
+        # llama.cpp's sqrt(se_q² + se_ref² - 2·cov) is the standard error of the
+        # per-token difference; computed that way it is exactly 0 for identical inputs.
+        _, ratio_se = _mean_stderr(nq - nr)
+        mean_dp, mean_dp_se = _mean_stderr(dp)
+        msd, msd_se = _mean_stderr(dp * dp)
+        ppl_q, ppl_r = _exp(ln_q), _exp(ln_r)
+    rms = math.sqrt(msd)
+    top1 = float(same.mean())
+    ks = np.sort(k)  # [T]
+    return QualityStats(
+        n_tokens=n,
+        mean_kld=mean_kld,
+        kld_stderr=kld_se,
+        kld_median=percentile(ks, 0.5),
+        kld_p90=percentile(ks, 0.90),
+        kld_p99=percentile(ks, 0.99),
+        kld_p999=percentile(ks, 0.999),
+        kld_max=float(ks[-1]),
+        top1=top1,
+        top1_sigma=math.sqrt(top1 * (1.0 - top1) / (n - 1)) if n > 1 else 0.0,
+        ppl_q=ppl_q,
+        ppl_q_stderr=ppl_q * ln_q_se if ln_q_se else 0.0,
+        ppl_ref=ppl_r,
+        ppl_ref_stderr=ppl_r * ln_r_se if ln_r_se else 0.0,
+        ln_ppl_ratio=ln_q - ln_r,
+        ln_ppl_ratio_stderr=ratio_se,
+        mean_dp=mean_dp,
+        mean_dp_stderr=mean_dp_se,
+        rms_dp=rms,
+        rms_dp_stderr=0.5 / rms * msd_se if rms > 0 else 0.0,
+    )
+
+
+class KldAccumulator:
+    """Streams ``[T, V]`` blocks of rows in and :class:`QualityStats` out.
+
+    Only per-token values (five numbers a token) are kept, never the rows, so
+    a long text over a large vocabulary is fed a chunk at a time; feeding the
+    same rows in any split gives the same result as feeding them at once.
+
+    >>> import numpy as np
+    >>> acc = KldAccumulator()
+    >>> ref = log_softmax(np.array([[3.0, 0.0], [0.0, 3.0]]))
+    >>> acc.add(ref, ref, np.array([0, 1]))
+    >>> acc.result().mean_kld, acc.result().top1
+    (0.0, 1.0)
+    """
+
+    __slots__ = ("_kld", "_nll_q", "_nll_ref", "_same")
+
+    def __init__(self) -> None:
+        self._kld: list[F64Array] = []
+        self._nll_q: list[F64Array] = []
+        self._nll_ref: list[F64Array] = []
+        self._same: list[BoolArray] = []
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(a.shape[0] for a in self._kld)
+
+    def add(
+        self, ref_logprobs: npt.ArrayLike, q_logprobs: npt.ArrayLike, targets: npt.ArrayLike
+    ) -> None:
+        """Score ``[T, V]`` rows of log-probabilities; ``targets`` ``[T]`` are the next tokens."""
+        ref = np.asarray(ref_logprobs, dtype=np.float64)  # [T, V]
+        q = np.asarray(q_logprobs, dtype=np.float64)  # [T, V]
+        _check_pair(ref, q)
+        nll_q = -token_logprob(q, targets)  # [T]; validates targets before anything is kept
+        nll_ref = -token_logprob(ref, targets)  # [T]
+        self._kld.append(kl_divergence(ref, q))
+        self._nll_q.append(nll_q)
+        self._nll_ref.append(nll_ref)
+        self._same.append(top1_agreement(ref, q))
+
+    def add_logits(
+        self, ref_logits: npt.ArrayLike, q_logits: npt.ArrayLike, targets: npt.ArrayLike
+    ) -> None:
+        """Like :meth:`add`, from raw ``[T, V]`` logits converted a block of rows at a time."""
+        ref = np.asarray(ref_logits)  # [T, V]
+        q = np.asarray(q_logits)  # [T, V]
+        tok = np.asarray(targets)  # [T]
+        _check_pair(ref, q)
+        if tok.shape != (ref.shape[0],):
+            raise ValueError(f"expected {ref.shape[0]} targets, got shape {tok.shape}")
+        step = max(1, BLOCK_ELEMENTS // max(1, ref.shape[1]))
+        for lo in range(0, ref.shape[0], step):
+            hi = lo + step
+            self.add(log_softmax(ref[lo:hi]), log_softmax(q[lo:hi]), tok[lo:hi])
+
+    def per_token_kld(self) -> F64Array:
+        """Every scored token's KLD so far, in the order added: ``[T]``."""
+        return np.concatenate(self._kld) if self._kld else np.empty(0, dtype=np.float64)
+
+    def result(self) -> QualityStats:
+        """The statistics over everything added; ``ValueError`` if nothing was."""
+        if not self._kld:
+            raise ValueError("no tokens were scored")
+        return summarize(
+            np.concatenate(self._kld),
+            np.concatenate(self._nll_q),
+            np.concatenate(self._nll_ref),
+            np.concatenate(self._same),
+        )
