@@ -126,6 +126,26 @@ def cmd_devices(args: argparse.Namespace) -> int:
     return 0 if snapshot.devices else 1
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from quantroute.quality import format_table, profile_repo
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    text = args.text.read_text() if args.text else None
+    result = profile_repo(
+        args.repo,
+        model=args.model,
+        text=text,
+        n_ctx=args.n_ctx,
+        max_chunks=args.max_chunks,
+        n_threads=args.threads,
+        progress=True,
+    )
+    print(format_table(result))
+    for model in result.models:
+        log.info("%s: wrote %s and %s", model.model, model.profile_path, model.plot_path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="quantroute",
@@ -158,6 +178,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     devices.add_argument("--json", action="store_true", help="print JSON, as GET /v1/devices")
     devices.set_defaults(func=cmd_devices)
+
+    profile = sub.add_parser(
+        "profile",
+        help="measure every branch's fidelity against its model's reference",
+        description="Measure each branch against its model's reference branch the way "
+        "llama.cpp's `llama-perplexity --kl-divergence` does (KLD, top-1 agreement, PPL, "
+        "delta-p), plus speed and footprint; write profile.json and profile.png beside "
+        "each manifest.",
+    )
+    profile.add_argument(
+        "repo",
+        type=Path,
+        nargs="?",
+        default=DEMO_REPO,
+        help="model repository or model folder (default: the demo)",
+    )
+    profile.add_argument("--model", default=None, help="only this model")
+    profile.add_argument(
+        "--text",
+        type=Path,
+        default=None,
+        help="calibration text (default: the packaged Python text)",
+    )
+    profile.add_argument("--n-ctx", type=int, default=None, help="chunk length in tokens")
+    profile.add_argument("--max-chunks", type=int, default=None, help="score at most N chunks")
+    profile.add_argument("--threads", type=int, default=None, help="llama.cpp threads")
+    profile.set_defaults(func=cmd_profile)
 
     demo = sub.add_parser(
         "demo",

@@ -156,3 +156,28 @@ async def test_model_chat_template_is_used(tmp_path: Path) -> None:
         assert r.status_code == 200
         # "<|user|>hi\n<|assistant|>" is 24 byte tokens, plus BOS
         assert r.json()["usage"]["prompt_tokens"] == 25
+
+
+async def test_models_list_shows_profiles_and_stale_ones(
+    client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    model = (await client.get("/v1/models")).json()["data"][0]
+    assert model["reference"] == "f16" and model["profile_warnings"] == []
+    profiles = {b["branch"]: b["profile"] for b in model["branches"]}
+    assert profiles["f16"]["mean_kld"] == 0.0
+    assert 0 < profiles["q8_0"]["mean_kld"] < profiles["q4_k_m"]["mean_kld"]
+    assert profiles["q8_0"]["top1"] > profiles["q4_k_m"]["top1"]
+    # A branch file that changed since profiling has no profile, and the server says why.
+    repo = tmp_path / "repo"
+    shutil.copytree(demo_model_dir(), repo / "tiny-llama")
+    q4 = repo / "tiny-llama" / "q4_k_m.gguf"
+    copy_gguf_with_metadata(demo_model_dir() / "q4_k_m.gguf", q4, {"general.note": "changed"})
+    manifest_path = repo / "tiny-llama" / "quantroute.yaml"
+    manifest = yaml.safe_load(manifest_path.read_text())
+    manifest["branches"]["q4_k_m"]["sha256"] = sha256_file(q4)
+    manifest_path.write_text(yaml.safe_dump(manifest))
+    async with _App(repo) as c:
+        model = (await c.get("/v1/models")).json()["data"][0]
+        profiles = {b["branch"]: b["profile"] for b in model["branches"]}
+        assert profiles["q4_k_m"] is None and profiles["q8_0"] is not None
+        assert any("q4_k_m" in w for w in model["profile_warnings"])

@@ -23,6 +23,7 @@ from quantroute.engines.base import GenerationRequest, SamplingParams
 from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
 from quantroute.errors import InsufficientMemoryError, InvalidRequestError, NotFoundError
+from quantroute.quality.profile import load_profiles
 from quantroute.registry.repository import scan_repository
 from quantroute.routing.table import Branch, ModelRoute, RouteTable, RouteTableRef
 from quantroute.telemetry import (
@@ -112,6 +113,9 @@ class Gateway:
         )
         routes, index = [], 0
         for model in scan.models:
+            profiles, warnings = load_profiles(model.directory, model.artifacts)
+            for warning in warnings:
+                log.warning("profile: %s", warning)
             branches = []
             for a in model.artifacts:
                 cpus = tuple(sorted(pinning[index])) if pinning else ()
@@ -129,9 +133,14 @@ class Gateway:
                 engine = LlamaCppEngine(
                     f"{a.model}:{a.name}", a.path, options, policy, listener=self
                 )
-                branches.append(Branch(a.model, a.name, a.precision, a, engine))
+                branches.append(Branch(a.model, a.name, a.precision, a, engine, profiles[a.name]))
             routes.append(
-                ModelRoute(model.manifest.model, model.manifest.reference, tuple(branches))
+                ModelRoute(
+                    model.manifest.model,
+                    model.manifest.reference,
+                    tuple(branches),
+                    tuple(warnings),
+                )
             )
         return RouteTable.build(routes)
 

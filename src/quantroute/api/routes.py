@@ -16,6 +16,7 @@ from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
 from quantroute.api.service import CompletionService, Run, Tick
 from quantroute.api.sse import sse_events
 from quantroute.engines.base import StartEvent
+from quantroute.quality.profile import BranchProfile
 from quantroute.routing.table import RouteTableRef
 
 router = APIRouter()
@@ -100,6 +101,7 @@ async def models(request: Request) -> dict[str, Any]:
                 "sha256": b.artifact.sha256,
                 "size_bytes": b.artifact.size_bytes,
                 "n_ctx": b.engine.info.n_ctx if b.engine.info else None,
+                "profile": _profile_json(b.profile),
             }
             for b in route.branches
         ]
@@ -109,7 +111,9 @@ async def models(request: Request) -> dict[str, Any]:
                 "object": "model",
                 "created": 0,
                 "owned_by": "quantroute",
+                "reference": route.reference,
                 "branches": branches,
+                "profile_warnings": list(route.profile_warnings),
             }
         )
         data += [
@@ -123,6 +127,27 @@ async def models(request: Request) -> dict[str, Any]:
             for b in branches
         ]
     return {"object": "list", "data": data}
+
+
+def _profile_json(profile: BranchProfile | None) -> dict[str, Any] | None:
+    if profile is None:
+        return None
+    q = profile.quality
+    return {
+        "mean_kld": q.mean_kld,
+        "kld_stderr": q.kld_stderr,
+        "kld_p99": q.kld_p99,
+        "top1": q.top1,
+        "top1_sigma": q.top1_sigma,
+        "ppl": q.ppl_q,
+        "ln_ppl_ratio": q.ln_ppl_ratio,
+        "rms_dp": q.rms_dp,
+        "n_tokens": q.n_tokens,
+        "decode_tps": profile.decode_tps,
+        "prefill_tps": profile.prefill_tps,
+        "rss_bytes": profile.rss_bytes,
+        "measured_at": profile.measured_at.isoformat(),
+    }
 
 
 @router.get("/healthz")

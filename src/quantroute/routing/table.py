@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from quantroute.engines.base import Engine
+    from quantroute.quality.profile import BranchProfile
     from quantroute.registry.manifest import BranchArtifact
 
 
@@ -26,6 +27,7 @@ class Branch:
     precision: Precision
     artifact: BranchArtifact
     engine: Engine
+    profile: BranchProfile | None = None  # measured quality and speed of this exact file
 
     @property
     def id(self) -> str:
@@ -37,6 +39,7 @@ class ModelRoute:
     name: str
     reference: str
     branches: tuple[Branch, ...]  # reference first, then by precision rank
+    profile_warnings: tuple[str, ...] = ()  # why a branch has no valid profile
 
     def branch(self, name: str) -> Branch | None:
         return next((b for b in self.branches if b.name == name), None)
