@@ -70,8 +70,9 @@ def server() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
 
 
 @pytest.fixture
-def client(server: tuple[str, subprocess.Popen[bytes]]) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+def client(server: tuple[str, subprocess.Popen[bytes]]) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0) as c:
+        yield c
 
 
 def test_models_list(client: openai.OpenAI) -> None:
@@ -105,7 +106,8 @@ def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
     )
-    chunks = list(stream)
+    with stream:
+        chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
@@ -178,7 +180,7 @@ def test_worker_killed_mid_stream(
         extra_body={"ignore_eos": True},
     )
     received = 0
-    with pytest.raises(openai.APIError) as info:
+    with stream, pytest.raises(openai.APIError) as info:
         for _ in stream:
             received += 1
             if received == 3:

@@ -55,3 +55,15 @@ async def test_nothing_ready_is_503_with_retry_after() -> None:
     assert info.value.retry_after_s
     with pytest.raises(ServiceUnavailableError):
         choose(await _started(q8_0=True), "tiny-llama:q8_0")
+
+
+async def test_degraded_branches_become_the_last_fallbacks() -> None:
+    table = await _started()
+    decision = choose(table, "tiny-llama", degraded=lambda b: b == "tiny-llama:f16")
+    assert [b.name for b in decision.branches] == ["q8_0", "q4_k_m", "f16"]
+    assert decision.reason == "highest-precision-ready"
+    everything = choose(table, "tiny-llama", degraded=lambda b: True)
+    assert everything.reason == "degraded-branch-only"
+    assert [b.name for b in everything.branches] == ["f16", "q8_0", "q4_k_m"]
+    pinned = choose(table, "tiny-llama:f16", degraded=lambda b: True)
+    assert pinned.branches[0].name == "f16"  # a pin is honoured: the client asked for it

@@ -17,12 +17,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from quantroute.api.service import CompletionService
+from quantroute.api.service import CompletionService, Run
 from quantroute.config import Settings
 from quantroute.engines.base import GenerationRequest, SamplingParams
 from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
 from quantroute.errors import InsufficientMemoryError, InvalidRequestError, NotFoundError
+from quantroute.quality.drift import Baseline, DriftMonitor, Replay
 from quantroute.quality.profile import load_profiles
 from quantroute.registry.repository import scan_repository
 from quantroute.routing.table import Branch, ModelRoute, RouteTable, RouteTableRef
@@ -86,7 +87,10 @@ class Gateway:
         self._given_table = table
         self._provider = provider
         self.routes = RouteTableRef(table or RouteTable())
-        self.service = CompletionService(self.routes, settings)
+        self.service = CompletionService(
+            self.routes, settings, degraded=self._degraded, on_finished=self._finished
+        )
+        self.drift: DriftMonitor | None = None
         self.health: HealthTracker = health_from_settings(settings.telemetry)
         self.margin = margin_from_settings(settings.telemetry)
         self.poller: DevicePoller | None = None
@@ -200,9 +204,13 @@ class Gateway:
         self._place_all(table.branches())
         startable = [b.engine for b in table.branches() if self.placements[b.id].device]
         await asyncio.gather(*(engine.start() for engine in startable))
+        self.drift = self._drift_monitor(table)
+        self.drift.start()
         log.info("serving %s", ", ".join(b.id for b in table.branches() if b.engine.ready))
 
     async def stop(self) -> None:
+        if self.drift is not None:
+            await self.drift.stop()
         for task in self._tasks:
             task.cancel()
         for branch in reversed(self.routes.current.branches()):
@@ -211,6 +219,35 @@ class Gateway:
             await self.poller.stop()
         if self._provider is not None:
             self._provider.close()
+
+    # -- quality drift --------------------------------------------------------
+
+    def _drift_monitor(self, table: RouteTable) -> DriftMonitor:
+        scorers = {b.id: b.engine for b in table.branches() if isinstance(b.engine, LlamaCppEngine)}
+        reference = {
+            b.id: f"{route.name}:{route.reference}"
+            for route in table.models.values()
+            for b in route.branches
+            if b.id in scorers
+        }
+        baselines = {
+            b.id: Baseline(b.profile.mean_kld, b.profile.top1)
+            for b in table.branches()
+            if b.profile is not None
+        }
+        return DriftMonitor(
+            self.settings.drift, reference=reference, scorers=scorers, baselines=baselines
+        )
+
+    def _degraded(self, branch_id: str) -> bool:
+        return self.drift is not None and self.drift.degraded(branch_id)
+
+    def _finished(self, run: Run, tokens: list[int]) -> None:
+        if self.drift is not None:
+            first = run.job.requests[0]
+            self.drift.offer(
+                Replay(run.branch.id, first.prompt, tuple(tokens), first.parse_special)
+            )
 
     # -- worker events (WorkerListener) ---------------------------------------
 

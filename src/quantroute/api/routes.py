@@ -88,6 +88,7 @@ async def completions(request: Request, body: CompletionRequest) -> Any:
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
     routes: RouteTableRef = request.app.state.routes
+    gateway: Gateway = request.app.state.gateway
     data: list[dict[str, Any]] = []
     for route in routes.current.models.values():
         branches = [
@@ -102,6 +103,7 @@ async def models(request: Request) -> dict[str, Any]:
                 "size_bytes": b.artifact.size_bytes,
                 "n_ctx": b.engine.info.n_ctx if b.engine.info else None,
                 "profile": _profile_json(b.profile),
+                "drift": _drift_json(gateway, b.id),
             }
             for b in route.branches
         ]
@@ -127,6 +129,27 @@ async def models(request: Request) -> dict[str, Any]:
             for b in branches
         ]
     return {"object": "list", "data": data}
+
+
+def _drift_json(gateway: Gateway, branch_id: str) -> dict[str, Any] | None:
+    if gateway.drift is None:
+        return None
+    state = gateway.drift.state(branch_id)
+    last = state.last
+    return {
+        "degraded": state.degraded,
+        "windows": state.windows,
+        "replays": state.replays,
+        "dropped": state.dropped,
+        "last_window": None
+        if last is None
+        else {
+            "mean_kld": last.mean_kld,
+            "top1": last.top1,
+            "tokens": last.n_tokens,
+            "in_bounds": last.in_bounds,
+        },
+    }
 
 
 def _profile_json(profile: BranchProfile | None) -> dict[str, Any] | None:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -20,9 +20,11 @@ from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest, che
 from quantroute.config import Settings
 from quantroute.engines.base import (
     EngineEvent,
+    FinishEvent,
     GenerationRequest,
     SamplingParams,
     StartEvent,
+    TokenEvent,
 )
 from quantroute.engines.chat_template import render_chat
 from quantroute.errors import ContextLengthExceededError, EngineError, ServiceUnavailableError
@@ -61,11 +63,13 @@ class Run:
         branch: Branch,
         streams: list[AsyncIterator[EngineEvent]],
         prompt_tokens: list[int],
+        on_finished: Callable[[Run, list[int]], None] | None = None,
     ):
         self.job = job
         self.branch = branch
         self.prompt_tokens = prompt_tokens
         self._streams = streams
+        self._on_finished = on_finished
         self._queue: asyncio.Queue[tuple[int, EngineEvent] | BaseException | None] = asyncio.Queue()
         self._pumps: list[asyncio.Task[None]] = []
 
@@ -95,9 +99,14 @@ class Run:
             await self.close()
 
     async def _pump(self, index: int, stream: AsyncIterator[EngineEvent]) -> None:
+        tokens: list[int] = []  # of choice 0, for the drift monitor
         try:
             async for event in stream:
                 self._queue.put_nowait((index, event))
+                if index == 0 and isinstance(event, TokenEvent):
+                    tokens.append(event.token_id)
+                elif index == 0 and isinstance(event, FinishEvent) and self._on_finished:
+                    self._on_finished(self, tokens)
         except Exception as exc:
             self._queue.put_nowait(exc)
         finally:
@@ -116,13 +125,22 @@ class Run:
 
 
 class CompletionService:
-    def __init__(self, routes: RouteTableRef, settings: Settings):
+    def __init__(
+        self,
+        routes: RouteTableRef,
+        settings: Settings,
+        *,
+        degraded: Callable[[str], bool] = lambda branch_id: False,
+        on_finished: Callable[[Run, list[int]], None] | None = None,
+    ):
         self._routes = routes
         self._settings = settings
+        self._degraded = degraded
+        self._on_finished = on_finished
 
     def prepare(self, req: ChatCompletionRequest | CompletionRequest) -> Job:
         check_limits(req, self._settings.limits)
-        decision = choose(self._routes.current, req.model)
+        decision = choose(self._routes.current, req.model, degraded=self._degraded)
         job_id = uuid.uuid4().hex
         seed = None if req.seed is None else req.seed & _SEED_MASK
         base = SamplingParams(
@@ -193,7 +211,7 @@ class CompletionService:
                     if not isinstance(first, StartEvent):
                         raise EngineError(f"branch {branch.id} skipped its start event")
                     prompt_tokens.append(first.prompt_tokens)
-                return Run(job, branch, streams, prompt_tokens)
+                return Run(job, branch, streams, prompt_tokens, self._on_finished)
             except ContextLengthExceededError as exc:
                 exc.param = "messages" if job.kind == "chat" else "prompt"
                 await _close_all(streams)

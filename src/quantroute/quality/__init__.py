@@ -13,6 +13,16 @@ or drawn, so the gateway reads profiles without loading either.
 
 from __future__ import annotations
 
+from quantroute.quality.drift import (
+    Baseline,
+    DriftMonitor,
+    DriftState,
+    DriftWindow,
+    Replay,
+    Scorer,
+    WindowResult,
+    judge,
+)
 from quantroute.quality.metrics import (
     KldAccumulator,
     QualityStats,
@@ -40,15 +50,23 @@ from quantroute.quality.profiler import (
 
 __all__ = [
     "PROFILE_NAME",
+    "Baseline",
     "BranchProfile",
+    "DriftMonitor",
+    "DriftState",
+    "DriftWindow",
     "KldAccumulator",
     "ModelProfileResult",
     "ProfileMethod",
     "ProfileResult",
     "QualityStats",
+    "Replay",
+    "Scorer",
+    "WindowResult",
     "default_calibration_text",
     "find_model_dirs",
     "format_table",
+    "judge",
     "kl_divergence",
     "load_profiles",
     "log_softmax",

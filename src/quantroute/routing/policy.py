@@ -8,6 +8,7 @@ the router) behind the same ``choose`` signature.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from quantroute.errors import NotFoundError, ServiceUnavailableError
@@ -30,7 +31,14 @@ def parse_model_ref(ref: str) -> tuple[str, str | None]:
     return model, (branch if sep else None)
 
 
-def choose(table: RouteTable, model_ref: str) -> Decision:
+def choose(
+    table: RouteTable,
+    model_ref: str,
+    *,
+    degraded: Callable[[str], bool] = lambda branch_id: False,
+) -> Decision:
+    """The branches to try, in order. ``degraded`` (the drift monitor's verdict)
+    moves a branch behind every faithful one: it is still a fallback, never first."""
     name, pinned = parse_model_ref(model_ref)
     route = table.models.get(name)
     if route is None:
@@ -53,8 +61,10 @@ def choose(table: RouteTable, model_ref: str) -> Decision:
             )
         return Decision(name, (branch,), "pinned", True)
     ready = sorted(
-        (b for b in route.branches if b.engine.ready), key=lambda b: b.precision.spec.rank
+        (b for b in route.branches if b.engine.ready),
+        key=lambda b: (degraded(b.id), b.precision.spec.rank),
     )
     if not ready:
         raise ServiceUnavailableError(f"no branch of {name} is ready", retry_after_s=RETRY_AFTER_S)
-    return Decision(name, tuple(ready), "highest-precision-ready", False)
+    reason = "degraded-branch-only" if degraded(ready[0].id) else "highest-precision-ready"
+    return Decision(name, tuple(ready), reason, False)
