@@ -332,3 +332,12 @@ async def test_unavailable_primary_falls_back_before_the_first_token() -> None:
         )
         assert r.status_code == 200
         assert r.headers["x-quantroute-branch"] == "tiny-llama:q8_0"
+
+
+async def test_idle_stream_gets_keepalive_comments() -> None:
+    slow = FakeEngine(token_delay_s=0.15)
+    async with _client({"f16": slow}, server={"keepalive_s": 0.05, "max_body_bytes": 4096}) as c:
+        r = await c.post("/v1/completions", json={
+            "model": "tiny-llama", "prompt": "x", "max_tokens": 2, "stream": True})
+        assert ": keep-alive" in r.text
+        assert _events(r.text)[-1] == "[DONE]"

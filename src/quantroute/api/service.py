@@ -84,11 +84,14 @@ class Run:
         remaining = len(self._pumps)
         try:
             while remaining:
-                try:
-                    item = await asyncio.wait_for(self._queue.get(), keepalive_s)
-                except TimeoutError:
-                    yield Tick()
-                    continue
+                if not self._queue.empty():
+                    item = self._queue.get_nowait()  # the common case: no timer, no task
+                else:
+                    try:
+                        item = await asyncio.wait_for(self._queue.get(), keepalive_s)
+                    except TimeoutError:
+                        yield Tick()
+                        continue
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, BaseException):
