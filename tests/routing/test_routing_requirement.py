@@ -1,0 +1,275 @@
+"""Requirement parsing: tiers, bounds, headers, deadlines, priority; 400s that never echo."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import math
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from quantroute.errors import InvalidRequestError
+from quantroute.routing.requirement import (
+    DEADLINE_HEADER,
+    QUALITY_HEADER,
+    Requirement,
+    parse_requirement,
+)
+from quantroute.routing.settings import RoutingSettings, Tier, TierSettings
+
+S = RoutingSettings()
+
+
+def parse(
+    body: object = None,
+    header: str | None = None,
+    deadline: str | None = None,
+    timeout: object = None,
+    priority: object = None,
+    settings: RoutingSettings = S,
+) -> Requirement:
+    return parse_requirement(body, header, deadline, timeout, priority, settings)
+
+
+# ---- quality: what parses ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "header", "expected"),
+    [
+        # (tier, max_kld, min_top1, explicit)
+        (None, None, (Tier.BALANCED, 0.02, 0.90, False)),
+        ("exact", None, (Tier.EXACT, 0.0, None, True)),
+        ("high", None, (Tier.HIGH, 0.001, 0.98, True)),
+        ("balanced", None, (Tier.BALANCED, 0.02, 0.90, True)),
+        ("fast", None, (Tier.FAST, None, None, True)),
+        (" High ", None, (Tier.HIGH, 0.001, 0.98, True)),
+        ({"max_kld": 0.01}, None, (None, 0.01, None, True)),
+        ({"min_top1": 0.95}, None, (None, None, 0.95, True)),
+        ({"max_kld": 0, "min_top1": 1}, None, (None, 0.0, 1.0, True)),
+        ({"max_kld": 10.0}, None, (None, 10.0, None, True)),
+        (None, "exact", (Tier.EXACT, 0.0, None, True)),
+        (None, "FAST", (Tier.FAST, None, None, True)),
+        (None, "max_kld=0.01,min_top1=0.95", (None, 0.01, 0.95, True)),
+        (None, " min_top1 = 0.9 ", (None, None, 0.9, True)),
+        (None, "max_kld=1e-3", (None, 0.001, None, True)),
+        (None, "max_kld=.5", (None, 0.5, None, True)),
+        # body and header may both be given when they say the same
+        ("high", "high", (Tier.HIGH, 0.001, 0.98, True)),
+        ({"max_kld": 0.01}, "max_kld=0.01", (None, 0.01, None, True)),
+    ],
+)
+def test_quality_parses(
+    body: object, header: str | None, expected: tuple[Tier | None, float | None, float | None, bool]
+) -> None:
+    r = parse(body, header)
+    assert (r.tier, r.max_kld, r.min_top1, r.explicit) == expected
+    assert r.deadline_ms is None and r.priority == 0
+
+
+def test_tier_bounds_and_default_tier_come_from_settings() -> None:
+    settings = RoutingSettings.model_validate(
+        {"default_tier": "high", "tiers": {"high": {"max_kld": 0.005, "min_top1": 0.97}}}
+    )
+    assert (parse(settings=settings).tier, parse(settings=settings).max_kld) == (Tier.HIGH, 0.005)
+    assert parse(settings=settings).explicit is False
+    assert parse("high", settings=settings).min_top1 == 0.97
+
+
+def test_bounded() -> None:
+    assert parse("high").bounded and parse({"min_top1": 0.5}).bounded
+    assert not parse("fast").bounded
+
+
+# ---- quality: what is refused -----------------------------------------------------------------
+
+SECRET = "zq-secret-917"
+
+
+@pytest.mark.parametrize(
+    ("body", "header", "param"),
+    [
+        (f"ultra-{SECRET}", None, "quality"),
+        ("", None, "quality"),
+        (5, None, "quality"),
+        (True, None, "quality"),
+        ([0.01], None, "quality"),
+        ({}, None, "quality"),
+        ({SECRET: 1}, None, "quality"),
+        ({"max_kld": 0.1, "extra": 1}, None, "quality"),
+        ({"max_kld": "0.1"}, None, "quality.max_kld"),
+        ({"max_kld": True}, None, "quality.max_kld"),
+        ({"max_kld": None}, None, "quality.max_kld"),
+        ({"max_kld": -0.917}, None, "quality.max_kld"),
+        ({"max_kld": 10.917}, None, "quality.max_kld"),
+        ({"max_kld": math.nan}, None, "quality.max_kld"),
+        ({"max_kld": math.inf}, None, "quality.max_kld"),
+        ({"min_top1": 1.917}, None, "quality.min_top1"),
+        ({"min_top1": -0.917}, None, "quality.min_top1"),
+        (None, f"ultra-{SECRET}", QUALITY_HEADER),
+        (None, "", QUALITY_HEADER),
+        (None, "max_kld=", QUALITY_HEADER),
+        (None, f"max_kld={SECRET}", QUALITY_HEADER),
+        (None, "max_kld=nan", QUALITY_HEADER),
+        (None, "max_kld=inf", QUALITY_HEADER),
+        (None, "max_kld=-0.917", QUALITY_HEADER),
+        (None, "max_kld=0x10", QUALITY_HEADER),
+        (None, "max_kld=1_0", QUALITY_HEADER),
+        (None, "max_kld=10.917", QUALITY_HEADER),
+        (None, "max_kld=1e999", QUALITY_HEADER),
+        (None, "min_top1=1.917", QUALITY_HEADER),
+        (None, "max_kld=0.1,max_kld=0.2", QUALITY_HEADER),
+        (None, f"{SECRET}=0.1", QUALITY_HEADER),
+        (None, "max_kld=0.1;min_top1=0.9", QUALITY_HEADER),
+        (None, "max_kld=0.1,", QUALITY_HEADER),
+        (None, "high,max_kld=0.1", QUALITY_HEADER),
+        # both given, disagreeing: a 400, not a silent preference for one
+        ("high", "balanced", "quality"),
+        ("exact", "max_kld=0", "quality"),
+        ({"max_kld": 0.01}, "max_kld=0.02", "quality"),
+        ({"max_kld": 0.01}, "max_kld=0.01,min_top1=0.9", "quality"),
+    ],
+)
+def test_bad_quality_is_400_naming_the_param_and_not_echoing(
+    body: object, header: str | None, param: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse(body, header)
+    err = info.value
+    assert err.status == 400 and err.param == param
+    for echoed in (SECRET, "917", "0x10", "1_0", "1e999"):
+        assert echoed not in err.message
+
+
+# ---- deadline ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("header", "timeout", "expected"),
+    [
+        (None, None, None),
+        ("250", None, 250.0),
+        (" 1 ", None, 1.0),
+        ("1.5", None, 1.5),
+        ("3600000", None, 3_600_000.0),
+        (None, 1.5, 1500.0),
+        (None, 3600, 3_600_000.0),
+        (None, 0.001, 1.0),
+        ("250", 10, 250.0),  # both: the earlier deadline counts
+        ("20000", 1, 1000.0),
+    ],
+)
+def test_deadline(header: str | None, timeout: object, expected: float | None) -> None:
+    assert parse(deadline=header, timeout=timeout).deadline_ms == expected
+
+
+@pytest.mark.parametrize(
+    ("header", "timeout", "param"),
+    [
+        ("0", None, DEADLINE_HEADER),
+        ("0.5", None, DEADLINE_HEADER),
+        ("3600000.5", None, DEADLINE_HEADER),
+        ("-917", None, DEADLINE_HEADER),
+        ("", None, DEADLINE_HEADER),
+        (SECRET, None, DEADLINE_HEADER),
+        ("nan", None, DEADLINE_HEADER),
+        ("inf", None, DEADLINE_HEADER),
+        ("1e999", None, DEADLINE_HEADER),
+        ("1_000", None, DEADLINE_HEADER),
+        (None, 0, "timeout"),
+        (None, -1, "timeout"),
+        (None, 3600.917, "timeout"),
+        (None, True, "timeout"),
+        (None, "30", "timeout"),
+        (None, math.nan, "timeout"),
+        (None, math.inf, "timeout"),
+        (None, [1], "timeout"),
+    ],
+)
+def test_bad_deadline_is_400(header: str | None, timeout: object, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse(deadline=header, timeout=timeout)
+    assert info.value.param == param
+    for echoed in (SECRET, "917", "1e999", "1_000"):
+        assert echoed not in info.value.message
+
+
+# ---- priority ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, 0), (0, 0), (5, 5), (-10, -10), (10, 10)])
+def test_priority(value: object, expected: int) -> None:
+    assert parse(priority=value).priority == expected
+
+
+@pytest.mark.parametrize("value", [11, -11, True, 1.0, "1", [1]])
+def test_bad_priority_is_400(value: object) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse(priority=value)
+    assert info.value.param == "priority"
+
+
+# ---- settings ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"tight_free_bytes": 9 << 30},  # above ample
+        {"min_priority": 1},  # range must include the default 0
+        {"min_priority": 5, "max_priority": 1},
+        {"default_tier": "ultra"},
+        {"constrained_cost_ratio": 0},
+        {"fit_decay": 1.5},
+        {"top_k": 0},
+        {"weights": {"load": -1}},
+        {"tiers": {"exact": {"max_kld": 0, "on_infeasible": "wait", "wait_s": 0}}},
+        {"tiers": {"high": {"max_kld": 0.001, "on_infeasible": "best_effort"}}},
+        {"tiers": {"high": {"max_kld": 11}}},
+        {"tiers": {"ultra": {}}},
+        {"unknown": 1},
+    ],
+)
+def test_bad_settings_are_refused(overrides: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        RoutingSettings.model_validate(overrides)
+
+
+def test_settings_defaults_frozen_and_described() -> None:
+    s = RoutingSettings()
+    assert (s.ample_free_bytes, s.tight_free_bytes) == (8 << 30, 4 << 30)
+    assert (s.default_tier, s.constrained_cost_ratio, s.top_k) == (Tier.BALANCED, 0.6, 2)
+    assert s.tiers.exact == TierSettings(max_kld=0.0, on_infeasible="wait", wait_s=5.0)
+    assert s.tiers.fast.on_infeasible == "best_effort" and not s.tiers.fast.bounded
+    with pytest.raises(ValidationError):
+        s.top_k = 3
+
+    def fields(model: type[Any]) -> list[Any]:
+        out = []
+        for info in model.model_fields.values():
+            out.append(info)
+            annotation = info.annotation
+            if isinstance(annotation, type) and hasattr(annotation, "model_fields"):
+                out += fields(annotation)
+        return out
+
+    assert all(info.description for info in fields(RoutingSettings))
+
+
+@pytest.mark.parametrize("name", ["requirement", "settings", "affinity", "score", "scoring"])
+def test_doctests(name: str) -> None:
+    module = importlib.import_module(f"quantroute.routing.{name}")
+    failures, _ = doctest.testmod(module, verbose=False)
+    assert failures == 0
+
+
+def test_a_partial_tier_override_keeps_the_tiers_other_defaults() -> None:
+    s = RoutingSettings.model_validate({"tiers": {"high": {"max_kld": 0.005}}})
+    assert (s.tiers.high.max_kld, s.tiers.high.min_top1) == (0.005, 0.98)
+    assert s.tiers.exact == RoutingSettings().tiers.exact
+    cleared = RoutingSettings.model_validate({"tiers": {"balanced": {"min_top1": None}}})
+    assert (cleared.tiers.balanced.max_kld, cleared.tiers.balanced.min_top1) == (0.02, None)
+    exact = RoutingSettings.model_validate({"tiers": {"exact": {"wait_s": 1.5}}}).tiers.exact
+    assert (exact.max_kld, exact.on_infeasible, exact.wait_s) == (0.0, "wait", 1.5)
