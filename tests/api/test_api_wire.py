@@ -323,21 +323,25 @@ async def test_failure_before_first_token_falls_back_to_next_branch() -> None:
         assert events[-1]["error"]["code"] == "engine_crashed"
 
 
-async def test_unavailable_primary_falls_back_before_the_first_token() -> None:
-    flaky = FakeEngine()
-    async with _client({"f16": flaky, "q8_0": FakeEngine()}) as c:
-        flaky.faults.unavailable = True  # ready when routed... then refuses at generate
-        r = await c.post(
-            "/v1/completions", json={"model": "tiny-llama", "prompt": "x", "max_tokens": 2}
-        )
+async def test_a_branch_failing_before_its_first_token_falls_back_to_the_next() -> None:
+    refusing = FakeEngine(faults=FakeFaults(refuse=True))  # ready, but fails every request
+    async with _client({"f16": refusing, "q8_0": FakeEngine()}) as c:
+        body = {"model": "tiny-llama", "prompt": "x", "max_tokens": 2, "quality": "fast"}
+        r = await c.post("/v1/completions", json=body)
         assert r.status_code == 200
         assert r.headers["x-quantroute-branch"] == "tiny-llama:q8_0"
+        # Without a profile, q8_0 cannot vouch for the default tier's bound: only f16
+        # qualifies, and when it fails there is nothing to fall back to.
+        r = await c.post("/v1/completions", json=body | {"quality": "balanced"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
 
 
 async def test_idle_stream_gets_keepalive_comments() -> None:
     slow = FakeEngine(token_delay_s=0.15)
     async with _client({"f16": slow}, server={"keepalive_s": 0.05, "max_body_bytes": 4096}) as c:
-        r = await c.post("/v1/completions", json={
-            "model": "tiny-llama", "prompt": "x", "max_tokens": 2, "stream": True})
+        r = await c.post(
+            "/v1/completions",
+            json={"model": "tiny-llama", "prompt": "x", "max_tokens": 2, "stream": True},
+        )
         assert ": keep-alive" in r.text
         assert _events(r.text)[-1] == "[DONE]"

@@ -26,6 +26,7 @@ from quantroute.errors import InsufficientMemoryError, InvalidRequestError, NotF
 from quantroute.quality.drift import Baseline, DriftMonitor, Replay
 from quantroute.quality.profile import load_profiles
 from quantroute.registry.repository import scan_repository
+from quantroute.routing.scoring import BranchState
 from quantroute.routing.table import Branch, ModelRoute, RouteTable, RouteTableRef
 from quantroute.telemetry import (
     WORKER_RUNTIME_BYTES,
@@ -35,6 +36,7 @@ from quantroute.telemetry import (
     HealthTracker,
     SimDeviceProvider,
     estimate_footprint,
+    kv_cache_bytes,
     measure_process_rss,
     place,
     plan_cpu_affinity,
@@ -57,6 +59,7 @@ log = logging.getLogger(__name__)
 class Placement:
     device: str | None  # None: no device had room; the branch is not started
     footprint: Footprint
+    kv_bytes_per_token: int = 0  # what one more token of context costs the device
 
 
 def default_threads(n_workers: int, cores: int | None = None) -> int:
@@ -88,7 +91,11 @@ class Gateway:
         self._provider = provider
         self.routes = RouteTableRef(table or RouteTable())
         self.service = CompletionService(
-            self.routes, settings, degraded=self._degraded, on_finished=self._finished
+            self.routes,
+            settings,
+            degraded=self._degraded,
+            on_finished=self._finished,
+            states=self.branch_states,
         )
         self.drift: DriftMonitor | None = None
         self.health: HealthTracker = health_from_settings(settings.telemetry)
@@ -148,18 +155,20 @@ class Gateway:
             )
         return RouteTable.build(routes)
 
-    def _estimate(self, branch: Branch) -> Footprint:
+    def _estimate(self, branch: Branch) -> tuple[Footprint, int]:
+        """The branch's footprint and its KV cost per token of context."""
         if not isinstance(branch.engine, LlamaCppEngine):
-            return Footprint(branch.artifact.size_bytes, 0, 0, 0)
+            return Footprint(branch.artifact.size_bytes, 0, 0, 0), 0
         shape = read_model_shape(branch.artifact.path)
         n_ctx = self.settings.engine.n_ctx or shape.n_ctx_train
-        return estimate_footprint(
+        footprint = estimate_footprint(
             shape,
             n_ctx,
             n_parallel=self.settings.engine.parallel,
             n_batch=self.settings.engine.n_batch,
             runtime_bytes=WORKER_RUNTIME_BYTES,
         )
+        return footprint, kv_cache_bytes(shape, 1)
 
     def _place_all(self, branches: list[Branch]) -> None:
         snapshot = self.poller.snapshot if self.poller else None
@@ -169,7 +178,7 @@ class Gateway:
             {DeviceKind.SIM} if any(d.kind is DeviceKind.SIM for d in devices) else {DeviceKind.CPU}
         )
         for branch in branches:
-            footprint = self._estimate(branch)
+            footprint, kv_per_token = self._estimate(branch)
             device: str | None = None
             if devices and topology is not None:
                 try:
@@ -186,7 +195,7 @@ class Gateway:
                 devices = [_reserve(d, footprint.bytes) if d.id == device else d for d in devices]
             else:
                 device = "cpu"
-            self.placements[branch.id] = Placement(device, footprint)
+            self.placements[branch.id] = Placement(device, footprint, kv_per_token)
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -297,6 +306,48 @@ class Gateway:
             footprint.bytes >> 20,
             footprint.estimated_bytes >> 20,
         )
+
+    # -- routing ----------------------------------------------------------------
+
+    def branch_states(self, model: str) -> tuple[BranchState, ...]:
+        """What the routing policy needs to know about every branch of ``model``, now.
+        Reads the route table and the device snapshot once each (both immutable)."""
+        route = self.routes.current.models.get(model)
+        if route is None:
+            return ()
+        snapshot = self.poller.snapshot if self.poller is not None else None
+        states = []
+        for b in route.branches:
+            placement = self.placements.get(b.id)
+            device_id = placement.device if placement and placement.device else "cpu"
+            device = snapshot.device(device_id) if snapshot is not None else None
+            info = b.engine.info
+            parallel = info.parallel if info is not None else 1
+            profile = b.profile
+            states.append(
+                BranchState(
+                    id=b.id,
+                    model=b.model,
+                    name=b.name,
+                    precision=b.precision,
+                    is_reference=b.name == route.reference,
+                    ready=b.engine.ready,
+                    degraded=self._degraded(b.id),
+                    mean_kld=profile.mean_kld if profile else None,
+                    top1=profile.top1 if profile else None,
+                    prefill_tps=profile.prefill_tps if profile else None,
+                    decode_tps=profile.decode_tps if profile else None,
+                    kv_bytes_per_token=placement.kv_bytes_per_token if placement else 0,
+                    device=device_id,
+                    device_free_bytes=self.margin.headroom(device) if device else 0,
+                    device_total_bytes=device.total_bytes if device else 0,
+                    device_health=self.health.factor(device_id),
+                    in_flight=b.engine.in_flight,
+                    parallel=parallel,
+                    queue_depth=max(0, b.engine.in_flight - parallel),
+                )
+            )
+        return tuple(states)
 
     # -- views ----------------------------------------------------------------
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quantroute.api.gateway import Gateway
 from quantroute.api.render import ResponseRenderer
@@ -16,6 +18,7 @@ from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
 from quantroute.api.service import CompletionService, Run, Tick
 from quantroute.api.sse import sse_events
 from quantroute.engines.base import StartEvent
+from quantroute.errors import InvalidRequestError
 from quantroute.quality.profile import BranchProfile
 from quantroute.routing.table import RouteTableRef
 
@@ -37,7 +40,7 @@ def _headers(run: Run) -> dict[str, str]:
 
 async def _respond(request: Request, body: ChatCompletionRequest | CompletionRequest) -> Any:
     service = _service(request)
-    job = service.prepare(body)
+    job = await service.prepare(body, request.headers)
     run = await service.start(job)
     if job.stream:
         keepalive_s = request.app.state.settings.server.keepalive_s
@@ -83,6 +86,26 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Any
 @router.post("/v1/completions")
 async def completions(request: Request, body: CompletionRequest) -> Any:
     return await _respond(request, body)
+
+
+@router.post("/v1/route/explain")
+async def route_explain(request: Request) -> dict[str, Any]:
+    """The routing decision for a chat or text completion body, without running it."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidRequestError("The request body is not valid JSON.") from exc
+    schema: type[ChatCompletionRequest | CompletionRequest] = (
+        ChatCompletionRequest
+        if isinstance(data, dict) and "messages" in data
+        else CompletionRequest
+    )
+    try:
+        body = schema.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from exc
+    return _service(request).explain(body, request.headers)
 
 
 @router.get("/v1/models")

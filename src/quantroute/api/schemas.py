@@ -7,7 +7,7 @@ misspelt parameter is a 400 rather than silently ignored.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -41,6 +41,10 @@ class _GenerationBase(BaseModel):
         None, max_length=300
     )
     ignore_eos: bool = Field(False, description="quantroute extension (as in vLLM)")
+    # Routing extensions, checked by routing.requirement.parse_requirement:
+    quality: Any = Field(None, description="a tier name or {max_kld, min_top1}")
+    timeout: Any = Field(None, description="deadline in seconds")
+    priority: Any = Field(None, description="admission priority")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest, check_limits
 from quantroute.config import Settings
@@ -27,14 +28,34 @@ from quantroute.engines.base import (
     TokenEvent,
 )
 from quantroute.engines.chat_template import render_chat
-from quantroute.errors import ContextLengthExceededError, EngineError, ServiceUnavailableError
-from quantroute.routing.policy import Decision, choose
+from quantroute.errors import (
+    ContextLengthExceededError,
+    EngineError,
+    QuantrouteError,
+    ServiceUnavailableError,
+)
+from quantroute.routing.policy import Decision, choose, parse_model_ref
+from quantroute.routing.requirement import (
+    DEADLINE_HEADER,
+    QUALITY_HEADER,
+    Requirement,
+    parse_requirement,
+)
+from quantroute.routing.scoring import (
+    BranchState,
+    RequestShape,
+    RouteDecision,
+    choose_branch,
+    explain,
+)
 from quantroute.routing.table import Branch, RouteTableRef
 
 log = logging.getLogger(__name__)
 
 Kind = Literal["chat", "completion"]
 _SEED_MASK = 2**64 - 1
+_AFFINITY_PREFIX_CHARS = 256
+_WAIT_POLL_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,15 +156,123 @@ class CompletionService:
         *,
         degraded: Callable[[str], bool] = lambda branch_id: False,
         on_finished: Callable[[Run, list[int]], None] | None = None,
+        states: Callable[[str], Sequence[BranchState]] | None = None,
     ):
         self._routes = routes
         self._settings = settings
         self._degraded = degraded
         self._on_finished = on_finished
+        self._states = states  # None: route by precision only (tables of fake engines)
 
-    def prepare(self, req: ChatCompletionRequest | CompletionRequest) -> Job:
+    def route(
+        self, req: ChatCompletionRequest | CompletionRequest, headers: Mapping[str, str]
+    ) -> tuple[Decision, RouteDecision | None]:
+        """Which branches answer ``req``, in order. A pinned branch answers alone; a
+        model name goes through the routing policy (requirement, filters, score)."""
+        name, pinned = parse_model_ref(req.model)
+        table = self._routes.current
+        if pinned is not None or self._states is None or name not in table.models:
+            return choose(table, req.model, degraded=self._degraded), None
+        requirement, shape, states = self._routing_inputs(name, req, headers)
+        routed = choose_branch(requirement, shape, states, self._settings.routing)
+        route = table.models[name]
+        branches = tuple(b for i in routed.branch_ids for b in route.branches if b.id == i)
+        return Decision(name, branches, routed.reason, False), routed
+
+    def _routing_inputs(
+        self,
+        name: str,
+        req: ChatCompletionRequest | CompletionRequest,
+        headers: Mapping[str, str],
+    ) -> tuple[Requirement, RequestShape, Sequence[BranchState]]:
+        assert self._states is not None
+        requirement = parse_requirement(
+            req.quality,
+            headers.get(QUALITY_HEADER),
+            headers.get(DEADLINE_HEADER),
+            req.timeout,
+            req.priority,
+            self._settings.routing,
+        )
+        text = _prompt_text(req)
+        limit = req.completion_limit if isinstance(req, ChatCompletionRequest) else req.max_tokens
+        shape = RequestShape(
+            # an upper bound: a token is at least one byte of text
+            prompt_tokens=len(text.encode()) + 1,
+            max_tokens=limit or self._settings.limits.max_tokens,
+            prefix=text[:_AFFINITY_PREFIX_CHARS],
+        )
+        return requirement, shape, self._states(name)
+
+    def explain(
+        self, req: ChatCompletionRequest | CompletionRequest, headers: Mapping[str, str]
+    ) -> dict[str, Any]:
+        """The decision for ``req`` without running it: per branch, each filter and the score."""
         check_limits(req, self._settings.limits)
-        decision = choose(self._routes.current, req.model, degraded=self._degraded)
+        name, pinned = parse_model_ref(req.model)
+        body: dict[str, Any] = {"model": name}
+        if pinned is not None or self._states is None or name not in self._routes.current.models:
+            decision = choose(self._routes.current, req.model, degraded=self._degraded)
+            body["decision"] = {
+                "branches": [b.id for b in decision.branches],
+                "reason": decision.reason,
+                "wait_s": None,
+            }
+            body["branches"] = []
+            return body
+        requirement, shape, states = self._routing_inputs(name, req, headers)
+        body["requirement"] = {
+            "tier": requirement.tier,
+            "max_kld": requirement.max_kld,
+            "min_top1": requirement.min_top1,
+            "deadline_ms": requirement.deadline_ms,
+            "priority": requirement.priority,
+            "explicit": requirement.explicit,
+        }
+        body["request"] = {"prompt_tokens_max": shape.prompt_tokens, "max_tokens": shape.max_tokens}
+        try:
+            routed = choose_branch(requirement, shape, states, self._settings.routing)
+            body["decision"] = {
+                "branches": list(routed.branch_ids),
+                "reason": routed.reason,
+                "wait_s": routed.wait_s,
+            }
+        except QuantrouteError as exc:
+            body["decision"] = {
+                "branches": [],
+                "reason": "infeasible",
+                "error": exc.to_openai()["error"],
+            }
+        body["branches"] = [
+            e.to_dict() for e in explain(requirement, shape, states, self._settings.routing)
+        ]
+        return body
+
+    async def decide(
+        self, req: ChatCompletionRequest | CompletionRequest, headers: Mapping[str, str]
+    ) -> Decision:
+        """``route``, waiting where the tier says to wait (``exact``: for the reference)."""
+        decision, routed = self.route(req, headers)
+        if routed is None or routed.wait_s is None:
+            return decision
+        deadline = time.monotonic() + routed.wait_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(_WAIT_POLL_S)
+            decision, _ = self.route(req, headers)
+            if decision.branches:
+                return decision
+        raise ServiceUnavailableError(
+            f"no branch of {decision.model} met the request's quality bound in time",
+            retry_after_s=self._settings.routing.retry_after_s,
+        )
+
+    async def prepare(
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        headers: Mapping[str, str] | None = None,
+    ) -> Job:
+        check_limits(req, self._settings.limits)
+        decision = await self.decide(req, headers or {})
         job_id = uuid.uuid4().hex
         seed = None if req.seed is None else req.seed & _SEED_MASK
         base = SamplingParams(
@@ -236,6 +365,12 @@ class CompletionService:
         raise ServiceUnavailableError(
             f"every branch of {job.decision.model} failed before answering", retry_after_s=2.0
         )
+
+
+def _prompt_text(req: ChatCompletionRequest | CompletionRequest) -> str:
+    if isinstance(req, ChatCompletionRequest):
+        return "\n".join(m.text for m in req.messages)
+    return req.prompts[0]
 
 
 async def _close_all(streams: list[AsyncIterator[EngineEvent]]) -> None:

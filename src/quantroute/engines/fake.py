@@ -24,9 +24,11 @@ from quantroute.errors import ContextLengthExceededError, EngineCrashedError, En
 
 @dataclass(slots=True)
 class FakeFaults:
-    """Faults to inject: fail before the first token, or after ``crash_after`` tokens."""
+    """Faults to inject: not ready (``unavailable``); ready but refusing every request
+    before its first token (``refuse``); or dying after ``crash_after`` tokens."""
 
     unavailable: bool = False
+    refuse: bool = False
     crash_after: int | None = None
 
 
@@ -77,7 +79,7 @@ class FakeEngine:
         self._ready = False
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
-        if not self.ready:
+        if not self.ready or self.faults.refuse:
             raise EngineUnavailableError("fake engine is unavailable")
         s = request.sampling
         prompt_tokens = len(request.prompt) + 1

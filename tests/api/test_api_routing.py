@@ -1,0 +1,137 @@
+"""The routing policy through the real app: real workers on a simulated device whose
+free memory the test moves, with the demo's measured profiles."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from qrtest import demo_model_dir
+from quantroute.api.app import create_app
+from quantroute.config import load_settings
+
+pytestmark = pytest.mark.slow
+GiB = 1 << 30
+
+
+@pytest.fixture
+async def client(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    shutil.copytree(demo_model_dir(), tmp_path / "repo" / "tiny-llama")
+    settings = load_settings(
+        repo=tmp_path / "repo",
+        engine={"parallel": 2, "n_threads": 1},
+        telemetry={"devices": "sim:1x24GiB", "poll_interval_s": 0.5},
+    )
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://qr") as c:
+            yield c, app.state.gateway
+
+
+async def _free(client: httpx.AsyncClient, gateway: Any, headroom: int) -> None:
+    """Occupy the device so that ``headroom`` bytes are free for routing."""
+    device = gateway.poller.snapshot.device("sim:0")
+    margin = device.free_bytes - gateway.margin.headroom(device)
+    mine = sum(gateway.sim.attached("sim:0").values())
+    pressure = device.total_bytes - mine - margin - headroom
+    r = await client.put("/admin/devices/sim:0/pressure", json={"bytes": pressure})
+    assert r.status_code == 200
+    await gateway.poller.poll_once()
+    assert (
+        abs(gateway.margin.headroom(gateway.poller.snapshot.device("sim:0")) - headroom)
+        < 2 * GiB // 100
+    )
+
+
+@pytest.mark.parametrize(
+    ("headroom", "quality", "branch"),
+    [
+        (10 * GiB, None, "f16"),
+        (8 * GiB + (64 << 20), None, "f16"),
+        (6 * GiB, None, "q8_0"),
+        (4 * GiB + (64 << 20), None, "q8_0"),
+        (3 * GiB, None, "q4_k_m"),
+        (3 * GiB, "below-q8_0", "f16"),  # only f16 meets the bound: never downgraded
+        (6 * GiB, "high", "q8_0"),
+        (3 * GiB, "high", "q8_0"),  # q4_k_m does not meet "high"
+        (10 * GiB, "fast", "f16"),
+    ],
+)
+async def test_memory_and_quality_choose_the_branch(
+    client: tuple[httpx.AsyncClient, Any], headroom: int, quality: object, branch: str
+) -> None:
+    http, gateway = client
+    await _free(http, gateway, headroom)
+    body: dict[str, Any] = {"model": "tiny-llama", "prompt": "def ", "max_tokens": 4}
+    if quality == "below-q8_0":  # a bound between f16's KLD (0) and q8_0's measured KLD
+        branches = (await http.get("/v1/models")).json()["data"][0]["branches"]
+        q8 = next(b for b in branches if b["branch"] == "q8_0")["profile"]["mean_kld"]
+        quality = {"max_kld": q8 / 2}
+    if quality is not None:
+        body["quality"] = quality
+    r = await http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-quantroute-branch"] == f"tiny-llama:{branch}"
+    assert r.headers["x-quantroute-route-reason"]
+
+
+async def test_quality_header_and_explain(client: tuple[httpx.AsyncClient, Any]) -> None:
+    http, gateway = client
+    await _free(http, gateway, 3 * GiB)
+    r = await http.post(
+        "/v1/completions",
+        json={"model": "tiny-llama", "prompt": "x", "max_tokens": 2},
+        headers={"x-quantroute-quality": "max_kld=0.001"},
+    )
+    assert r.headers["x-quantroute-branch"] == "tiny-llama:q8_0"
+    explained = (
+        await http.post(
+            "/v1/route/explain",
+            json={
+                "model": "tiny-llama",
+                "messages": [{"role": "user", "content": "hi"}],
+                "quality": "high",
+            },
+        )
+    ).json()
+    assert explained["requirement"]["tier"] == "high"
+    assert explained["decision"]["branches"][0] == "tiny-llama:q8_0"
+    by_branch = {b["branch"]: b for b in explained["branches"]}
+    q4 = by_branch["tiny-llama:q4_k_m"]
+    assert not q4["feasible"]
+    assert any(f["name"] == "quality" and not f["passed"] for f in q4["filters"])
+    assert by_branch["tiny-llama:q8_0"]["regime"] == "tight"
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "param"),
+    [
+        ({"quality": "excellent"}, {}, "quality"),
+        ({"quality": {"max_kld": -1}}, {}, "quality"),
+        ({"quality": {"nonsense": 1}}, {}, "quality"),
+        ({}, {"x-quantroute-quality": "max_kld=abc"}, "x-quantroute-quality"),
+        ({}, {"x-quantroute-deadline-ms": "0"}, "x-quantroute-deadline-ms"),
+        ({"timeout": "soon"}, {}, "timeout"),
+    ],
+)
+async def test_bad_requirements_are_400(
+    client: tuple[httpx.AsyncClient, Any],
+    body: dict[str, Any],
+    headers: dict[str, str],
+    param: str,
+) -> None:
+    http, _ = client
+    r = await http.post(
+        "/v1/completions",
+        headers=headers,
+        json={"model": "tiny-llama", "prompt": "x", "max_tokens": 2} | body,
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(param)
+    assert "excellent" not in r.json()["error"]["message"]
