@@ -91,7 +91,9 @@ def cmd_demo_build(args: argparse.Namespace) -> int:
     from quantroute.demo import build_demo
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    manifest = build_demo(args.out, steps=args.steps, seed=args.seed, progress=True)
+    manifest = build_demo(
+        args.out, steps=args.steps, seed=args.seed, progress=True, max_seconds=args.seconds
+    )
     for name, spec in manifest.branches.items():
         log.info("%-8s %-24s sha256 %s", name, spec.file, spec.sha256[:16])
     return 0
@@ -221,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--out", type=Path, default=DEMO_REPO / "tiny-llama", help="output folder")
     build.add_argument("--steps", type=int, default=None, help="training steps (default: built-in)")
     build.add_argument("--seed", type=int, default=0, help="random seed")
+    build.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="stop training after this long (the result is then not reproducible)",
+    )
     build.set_defaults(func=cmd_demo_build)
     return parser
 
