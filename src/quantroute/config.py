@@ -407,6 +407,17 @@ class RoutingSettings(_Frozen):
     )
     min_priority: int = Field(default=-10, description="Lowest priority a request may ask for.")
     max_priority: int = Field(default=10, description="Highest priority a request may ask for.")
+    residency: bool = Field(
+        default=True,
+        description="Unload branches when their device runs out of memory and load them back "
+        "when it has room again (see routing/residency.py).",
+    )
+    reload_margin_bytes: int = Field(
+        default=512 * MiB,
+        ge=0,
+        description="Room beyond its footprint a device needs before an unloaded branch is "
+        "loaded again (hysteresis).",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> RoutingSettings:

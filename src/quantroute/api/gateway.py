@@ -11,9 +11,13 @@ that dies counts against its device's health. The lifespan owns one Gateway.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import math
 import os
+import time
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +30,7 @@ from quantroute.errors import InsufficientMemoryError, InvalidRequestError, NotF
 from quantroute.quality.drift import Baseline, DriftMonitor, Replay
 from quantroute.quality.profile import load_profiles
 from quantroute.registry.repository import scan_repository
+from quantroute.routing.residency import ResidencyPlan, ResidentBranch, plan_residency
 from quantroute.routing.scoring import BranchState
 from quantroute.routing.table import Branch, ModelRoute, RouteTable, RouteTableRef
 from quantroute.telemetry import (
@@ -53,6 +58,8 @@ from quantroute.telemetry.selection import (
 from quantroute.telemetry.stats import DeviceKind, DeviceStats
 
 log = logging.getLogger(__name__)
+
+_HEAT_WINDOW_S = 60.0  # requests/s are averaged over about this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +111,11 @@ class Gateway:
         self.sim: SimDeviceProvider | None = None
         self.placements: dict[str, Placement] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._loaded: set[str] = set()  # branches whose worker runs (or starts)
+        self._warm: set[str] = set()  # loaded and warmed up: these take routed traffic
+        self._warmed = asyncio.Event()  # set whenever a branch finishes its warm-up
+        self._draining: set[str] = set()  # to unload once their requests finish
+        self._heat: dict[str, tuple[float, float]] = {}  # id -> (requests/s EWMA, last use)
 
     # -- building -------------------------------------------------------------
 
@@ -210,11 +222,18 @@ class Gateway:
         if table is None:
             table = await asyncio.to_thread(self.build_routes)
         self.routes.current = table
+        for branch in table.branches():  # engines of a given table report to us too
+            if isinstance(branch.engine, LlamaCppEngine) and branch.engine.listener is None:
+                branch.engine.listener = self
         self._place_all(table.branches())
-        startable = [b.engine for b in table.branches() if self.placements[b.id].device]
-        await asyncio.gather(*(engine.start() for engine in startable))
+        startable = [b for b in table.branches() if self.placements[b.id].device]
+        self._loaded.update(b.id for b in startable)
+        await asyncio.gather(*(b.engine.start() for b in startable))
+        await self._until_warm(startable, timeout_s=self.settings.engine.start_timeout_s)
         self.drift = self._drift_monitor(table)
         self.drift.start()
+        if self.settings.routing.residency:
+            self._spawn(self._residency_loop())
         log.info("serving %s", ", ".join(b.id for b in table.branches() if b.engine.ready))
 
     async def stop(self) -> None:
@@ -252,6 +271,10 @@ class Gateway:
         return self.drift is not None and self.drift.degraded(branch_id)
 
     def _finished(self, run: Run, tokens: list[int]) -> None:
+        now = time.monotonic()
+        rate, last = self._heat.get(run.branch.id, (0.0, now))
+        decay = math.exp(-(now - last) / _HEAT_WINDOW_S)
+        self._heat[run.branch.id] = (rate * decay + 1.0 / _HEAT_WINDOW_S, now)
         if self.drift is not None:
             first = run.job.requests[0]
             self.drift.offer(
@@ -266,11 +289,15 @@ class Gateway:
             return
         if self.sim is not None:
             self.sim.attach(placement.device, engine.name, placement.footprint.bytes)
-        task = asyncio.get_running_loop().create_task(self._measure(engine, pid))
+        self._spawn(self._measure(engine, pid))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     def worker_exited(self, engine: LlamaCppEngine, returncode: int) -> None:
+        self._warm.discard(engine.name)
         placement = self.placements.get(engine.name)
         if placement is None or placement.device is None:
             return
@@ -279,7 +306,30 @@ class Gateway:
         self.health.record_failure(placement.device, "worker_exit")
 
     async def _measure(self, engine: LlamaCppEngine, pid: int) -> None:
-        """Warm the worker up (a prompt of one batch), then read its RSS."""
+        """Warm the worker up (a prompt of one batch), then read its RSS. The branch
+        takes routed traffic from then on."""
+        try:
+            await self._warm_up_and_measure(engine, pid)
+        finally:
+            if engine.ready:
+                self._warm.add(engine.name)
+            self._warmed.set()
+
+    async def _until_warm(self, branches: Sequence[Branch], timeout_s: float) -> None:
+        def cold() -> bool:
+            return any(
+                b.engine.ready and b.id not in self._warm
+                for b in branches
+                if isinstance(b.engine, LlamaCppEngine)
+            )
+
+        deadline = time.monotonic() + timeout_s
+        while cold() and (left := deadline - time.monotonic()) > 0:
+            self._warmed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._warmed.wait(), left)
+
+    async def _warm_up_and_measure(self, engine: LlamaCppEngine, pid: int) -> None:
         info = engine.info
         if info is None:
             return
@@ -307,6 +357,81 @@ class Gateway:
             footprint.estimated_bytes >> 20,
         )
 
+    # -- residency -------------------------------------------------------------
+
+    async def _residency_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.telemetry.poll_interval_s)
+            try:
+                await self.apply_residency()
+            except Exception:  # the loop must outlive any one bad reading
+                log.exception("residency: planning failed")
+
+    async def apply_residency(self) -> ResidencyPlan:
+        """One round: plan from the latest device reading, then carry the plan out.
+        A branch to unload first drains (no new traffic), then stops."""
+        assert self.poller is not None
+        snapshot = self.poller.snapshot
+        if snapshot.stale or not snapshot.devices:
+            return ResidencyPlan()  # no trustworthy reading: change nothing
+        headroom = {d.id: self.margin.balance(d) for d in snapshot.devices}
+        roomiest = max(headroom, key=lambda d: headroom[d])
+        now = time.monotonic()
+        residents, branches = [], {}
+        for b in self.routes.current.branches():
+            if not isinstance(b.engine, LlamaCppEngine):
+                continue
+            placement = self.placements[b.id]
+            rate, last = self._heat.get(b.id, (0.0, 0.0))
+            residents.append(
+                ResidentBranch(
+                    id=b.id,
+                    model=b.model,
+                    device=placement.device or roomiest,
+                    footprint_bytes=placement.footprint.bytes,
+                    loaded=b.id in self._loaded and b.id not in self._draining,
+                    rank=b.precision.spec.rank,
+                    heat=rate * math.exp(-(now - last) / _HEAT_WINDOW_S) if last else 0.0,
+                    last_used=last,
+                )
+            )
+            branches[b.id] = b
+        plan = plan_residency(
+            residents, headroom, reload_margin_bytes=self.settings.routing.reload_margin_bytes
+        )
+        self._draining.update(plan.unload)
+        for branch_id in list(self._draining):
+            branch = branches[branch_id]
+            if branch.engine.in_flight == 0:
+                await self._unload(branch)
+        for branch_id in plan.load:
+            await self._load(
+                branches[branch_id], device=next(r.device for r in residents if r.id == branch_id)
+            )
+        return plan
+
+    async def _unload(self, branch: Branch) -> None:
+        self._draining.discard(branch.id)
+        self._warm.discard(branch.id)
+        self._loaded.discard(branch.id)
+        await branch.engine.stop()
+        device = self.placements[branch.id].device
+        if self.sim is not None and device is not None:
+            self.sim.detach(device, branch.id)
+        log.warning("residency: unloaded %s from %s (memory)", branch.id, device)
+
+    async def _load(self, branch: Branch, device: str) -> None:
+        self.placements[branch.id] = dataclasses.replace(self.placements[branch.id], device=device)
+        self._loaded.add(branch.id)
+        log.info("residency: loading %s on %s", branch.id, device)
+        await branch.engine.start()
+
+    def routable(self, branch: Branch) -> bool:
+        """Takes routed traffic: ready, warmed up, not draining."""
+        if branch.id in self._draining or not branch.engine.ready:
+            return False
+        return branch.id in self._warm or not isinstance(branch.engine, LlamaCppEngine)
+
     # -- routing ----------------------------------------------------------------
 
     def branch_states(self, model: str) -> tuple[BranchState, ...]:
@@ -331,13 +456,15 @@ class Gateway:
                     name=b.name,
                     precision=b.precision,
                     is_reference=b.name == route.reference,
-                    ready=b.engine.ready,
+                    ready=self.routable(b),
                     degraded=self._degraded(b.id),
                     mean_kld=profile.mean_kld if profile else None,
                     top1=profile.top1 if profile else None,
                     prefill_tps=profile.prefill_tps if profile else None,
                     decode_tps=profile.decode_tps if profile else None,
                     kv_bytes_per_token=placement.kv_bytes_per_token if placement else 0,
+                    heat=0.0,
+                    recent_rate=self._recent_rate(b.id),
                     device=device_id,
                     device_free_bytes=self.margin.headroom(device) if device else 0,
                     device_total_bytes=device.total_bytes if device else 0,
@@ -348,6 +475,10 @@ class Gateway:
                 )
             )
         return tuple(states)
+
+    def _recent_rate(self, branch_id: str) -> float:
+        rate, last = self._heat.get(branch_id, (0.0, 0.0))
+        return rate * math.exp(-(time.monotonic() - last) / _HEAT_WINDOW_S) if last else 0.0
 
     # -- views ----------------------------------------------------------------
 

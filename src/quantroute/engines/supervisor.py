@@ -60,7 +60,9 @@ class WorkerSupervisor:
         self.first_start: asyncio.Future[None] | None = None
 
     async def start(self) -> None:
-        """Spawn the first worker and wait until it is ready (or failed once)."""
+        """Spawn the first worker and wait until it is ready (or failed once).
+        A stopped supervisor can be started again (the residency manager does)."""
+        self._stopping = False
         self.first_start = asyncio.get_running_loop().create_future()
         self._task = asyncio.create_task(self._supervise(), name=f"supervise:{self.name}")
         await asyncio.shield(self.first_start)

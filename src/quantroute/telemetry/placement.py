@@ -13,7 +13,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 
-from quantroute.telemetry.memory import Footprint, MiB, free_for_routing
+from quantroute.telemetry.memory import Footprint, MiB, free_for_routing, safety_margin_bytes
 from quantroute.telemetry.stats import DeviceKind, DeviceStats, InsufficientMemoryError
 from quantroute.telemetry.topology import Topology
 from quantroute.telemetry.units import format_bytes
@@ -26,6 +26,15 @@ class MarginPolicy:
     min_bytes: int = 128 * MiB
     fraction: float = 0.05
     fragmentation_bytes: Mapping[str, int] | None = None
+
+    def balance(self, device: DeviceStats) -> int:
+        """Like :meth:`headroom`, but negative by how far a device is over its budget
+        (the residency manager unloads until it is not)."""
+        frag = (self.fragmentation_bytes or {}).get(device.id, 0)
+        margin = safety_margin_bytes(
+            device.total_bytes, min_bytes=self.min_bytes, fraction=self.fraction
+        )
+        return device.free_bytes - margin - max(0, frag)
 
     def headroom(self, device: DeviceStats) -> int:
         frag = (self.fragmentation_bytes or {}).get(device.id, 0)
