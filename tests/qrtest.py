@@ -1,7 +1,13 @@
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
+from fastapi import FastAPI
+
+from quantroute.api.gateway import Gateway
 from quantroute.engines.base import Engine
 from quantroute.engines.fake import FakeEngine
 from quantroute.registry.manifest import BranchArtifact
@@ -32,3 +38,35 @@ def demo_model_dir() -> Path:
     from quantroute.config import DEMO_REPO
 
     return Path(__import__("os").environ.get("QR_DEMO", DEMO_REPO / "tiny-llama"))
+
+
+def demo_repo_copy(root: Path) -> Path:
+    """A model repository holding a copy of the demo model (tests may change it)."""
+    import shutil
+
+    shutil.copytree(demo_model_dir(), root / "repo" / "tiny-llama")
+    return root / "repo"
+
+
+@contextlib.asynccontextmanager
+async def serving(app: FastAPI) -> AsyncIterator[tuple[httpx.AsyncClient, Gateway]]:
+    """The app with its lifespan running, and an HTTP client talking to it in-process.
+    (ASGI transports deliver a streamed response whole: stream timing needs e2e.)"""
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://qr", timeout=60) as c:
+            yield c, app.state.gateway
+
+
+async def set_headroom(client: httpx.AsyncClient, gateway: Gateway, headroom: int) -> None:
+    """Put simulated pressure on sim:0 so that ``headroom`` bytes are free for routing
+    (negative: over budget), then take a fresh reading."""
+    assert gateway.poller is not None and gateway.sim is not None
+    device = gateway.poller.snapshot.device("sim:0")
+    assert device is not None
+    margin = device.free_bytes - gateway.margin.balance(device)
+    mine = sum(gateway.sim.attached("sim:0").values())
+    pressure = max(0, device.total_bytes - mine - margin - headroom)
+    r = await client.put("/admin/devices/sim:0/pressure", json={"bytes": pressure})
+    assert r.status_code == 200
+    await gateway.poller.poll_once()

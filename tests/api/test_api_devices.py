@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from qrtest import demo_model_dir
+from qrtest import demo_repo_copy, serving
 from quantroute.api.app import create_app
 from quantroute.config import load_settings
 
@@ -25,17 +24,13 @@ GiB = 1 << 30
 
 @pytest.fixture
 async def sim_client(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
-    shutil.copytree(demo_model_dir(), tmp_path / "repo" / "tiny-llama")
     settings = load_settings(
-        repo=tmp_path / "repo",
+        repo=demo_repo_copy(tmp_path),
         engine={"parallel": 2, "n_threads": 1, "restart_backoff_s": 0.1},
         telemetry={"devices": "sim:2x24GiB", "poll_interval_s": 0.5},
     )
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://qr") as client:
-            yield client, app.state.gateway
+    async with serving(create_app(settings)) as pair:
+        yield pair
 
 
 async def _until(predicate: Any, timeout_s: float = 20.0) -> None:
@@ -122,11 +117,11 @@ def test_devices_command_prints_a_table() -> None:
 async def test_workers_are_pinned_to_their_configured_cores(tmp_path: Path) -> None:
     import psutil
 
-    shutil.copytree(demo_model_dir(), tmp_path / "repo" / "tiny-llama")
+    repo = demo_repo_copy(tmp_path)
     cores = sorted(os.sched_getaffinity(0))
     plan = [[cores[0]], [cores[-1]], [cores[0]]]
     settings = load_settings(
-        repo=tmp_path / "repo",
+        repo=repo,
         engine={"parallel": 1},
         telemetry={"devices": "cpu", "cpu_affinity": plan},
     )

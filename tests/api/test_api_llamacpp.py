@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from collections.abc import AsyncIterator
@@ -12,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from qrtest import demo_model_dir
+from qrtest import demo_model_dir, serving
 from quantroute.api.app import create_app
 from quantroute.config import load_settings
 from quantroute.demo.gguf_export import copy_gguf_with_metadata
@@ -51,21 +52,11 @@ def _repo_with_template(root: Path, template: str) -> Path:
     return root
 
 
-class _App:
-    def __init__(self, repo: Path):
-        self.app = create_app(load_settings(repo=repo, engine={"parallel": 2, "n_threads": 1}))
-
-    async def __aenter__(self) -> httpx.AsyncClient:
-        self._lifespan = self.app.router.lifespan_context(self.app)
-        await self._lifespan.__aenter__()
-        self._client = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=self.app), base_url="http://qr", timeout=60
-        )
-        return self._client
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._client.aclose()
-        await self._lifespan.__aexit__(None, None, None)
+@contextlib.asynccontextmanager
+async def _serve_repo(repo: Path) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(load_settings(repo=repo, engine={"parallel": 2, "n_threads": 1}))
+    async with serving(app) as (client, _):
+        yield client
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +68,7 @@ def demo_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 async def client(demo_repo: Path) -> AsyncIterator[httpx.AsyncClient]:
-    async with _App(demo_repo) as c:
+    async with _serve_repo(demo_repo) as c:
         yield c
 
 
@@ -124,7 +115,7 @@ async def test_stream_equals_whole_and_n_choices_differ_by_seed(client: httpx.As
 async def test_unsafe_chat_template_is_refused_and_nothing_runs(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     repo = _repo_with_template(tmp_path / "repo", EVIL.replace("MARKER", str(marker)))
-    async with _App(repo) as c:
+    async with _serve_repo(repo) as c:
         r = await c.post(
             "/v1/chat/completions",
             json={
@@ -144,7 +135,7 @@ async def test_unsafe_chat_template_is_refused_and_nothing_runs(tmp_path: Path) 
 
 async def test_model_chat_template_is_used(tmp_path: Path) -> None:
     repo = _repo_with_template(tmp_path / "repo", CHATML)
-    async with _App(repo) as c:
+    async with _serve_repo(repo) as c:
         r = await c.post(
             "/v1/chat/completions",
             json={
@@ -176,7 +167,7 @@ async def test_models_list_shows_profiles_and_stale_ones(
     manifest = yaml.safe_load(manifest_path.read_text())
     manifest["branches"]["q4_k_m"]["sha256"] = sha256_file(q4)
     manifest_path.write_text(yaml.safe_dump(manifest))
-    async with _App(repo) as c:
+    async with _serve_repo(repo) as c:
         model = (await c.get("/v1/models")).json()["data"][0]
         profiles = {b["branch"]: b["profile"] for b in model["branches"]}
         assert profiles["q4_k_m"] is None and profiles["q8_0"] is not None

@@ -3,7 +3,6 @@ when memory runs out and come back when it returns, and routing follows."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from qrtest import demo_model_dir
+from qrtest import demo_repo_copy, serving, set_headroom
 from quantroute.api.app import create_app
 from quantroute.config import load_settings
 from quantroute.engines.base import FinishEvent, GenerationRequest, SamplingParams, StartEvent
@@ -23,30 +22,15 @@ MiB = 1 << 20
 
 @pytest.fixture
 async def client(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
-    shutil.copytree(demo_model_dir(), tmp_path / "repo" / "tiny-llama")
     settings = load_settings(
-        repo=tmp_path / "repo",
+        repo=demo_repo_copy(tmp_path),
         engine={"parallel": 2, "n_threads": 1},
         telemetry={"devices": "sim:1x8GiB", "poll_interval_s": 0.5},
         # the test drives each round itself
         routing={"residency": False, "reload_margin_bytes": 16 * MiB},
     )
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://qr") as c:
-            yield c, app.state.gateway
-
-
-async def _headroom(client: httpx.AsyncClient, gateway: Any, headroom: int) -> None:
-    device = gateway.poller.snapshot.device("sim:0")
-    margin = device.free_bytes - gateway.margin.balance(device)
-    mine = sum(gateway.sim.attached("sim:0").values())
-    await client.put(
-        "/admin/devices/sim:0/pressure",
-        json={"bytes": max(0, device.total_bytes - mine - margin - headroom)},
-    )
-    await gateway.poller.poll_once()
+    async with serving(create_app(settings)) as pair:
+        yield pair
 
 
 async def _branch(client: httpx.AsyncClient, **extra: Any) -> str:
@@ -66,18 +50,18 @@ async def test_branches_leave_under_pressure_and_return(
     for _ in range(3):  # q4_k_m is the one in use: it is the last to go
         assert await _branch(http, model="tiny-llama:q4_k_m") == "q4_k_m"
     f16_bytes = gateway.placements["tiny-llama:f16"].footprint.bytes
-    await _headroom(http, gateway, -MiB)  # 1 MiB over budget: one cold branch must go
+    await set_headroom(http, gateway, -MiB)  # 1 MiB over budget: one cold branch must go
     plan = await gateway.apply_residency()
     assert plan.unload == ("tiny-llama:f16",) and not engines["f16"].ready
     assert "tiny-llama:f16" not in gateway.sim.attached("sim:0")
     assert await _branch(http) != "f16"
-    await _headroom(http, gateway, -512 * MiB)  # deep pressure: all but one go
+    await set_headroom(http, gateway, -512 * MiB)  # deep pressure: all but one go
     plan = await gateway.apply_residency()
     assert plan.unload == ("tiny-llama:q8_0",)
     assert [n for n, e in engines.items() if e.ready] == ["q4_k_m"]
     assert await _branch(http) == "q4_k_m"
     # Room again (f16's footprint + the reload margin): the most faithful comes back first.
-    await _headroom(http, gateway, f16_bytes + 32 * MiB)
+    await set_headroom(http, gateway, f16_bytes + 32 * MiB)
     plan = await gateway.apply_residency()
     assert plan.load == ("tiny-llama:f16",) and engines["f16"].ready
     await gateway._until_warm(gateway.routes.current.branches(), timeout_s=30)
@@ -97,7 +81,7 @@ async def test_a_busy_branch_drains_before_it_is_unloaded(
     request = GenerationRequest("long", "x", SamplingParams(max_tokens=400, ignore_eos=True))
     stream = engine.generate(request)
     assert isinstance(await anext(stream), StartEvent)
-    await _headroom(http, gateway, -MiB)
+    await set_headroom(http, gateway, -MiB)
     plan = await gateway.apply_residency()
     assert plan.unload == ("tiny-llama:f16",)
     assert engine.ready and engine.in_flight == 1  # draining, not cut

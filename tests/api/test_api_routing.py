@@ -3,7 +3,6 @@ free memory the test moves, with the demo's measured profiles."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from qrtest import demo_model_dir
+from qrtest import demo_repo_copy, serving, set_headroom
 from quantroute.api.app import create_app
 from quantroute.config import load_settings
 
@@ -21,32 +20,19 @@ GiB = 1 << 30
 
 @pytest.fixture
 async def client(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
-    shutil.copytree(demo_model_dir(), tmp_path / "repo" / "tiny-llama")
     settings = load_settings(
-        repo=tmp_path / "repo",
+        repo=demo_repo_copy(tmp_path),
         engine={"parallel": 2, "n_threads": 1},
         telemetry={"devices": "sim:1x24GiB", "poll_interval_s": 0.5},
     )
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://qr") as c:
-            yield c, app.state.gateway
+    async with serving(create_app(settings)) as pair:
+        yield pair
 
 
 async def _free(client: httpx.AsyncClient, gateway: Any, headroom: int) -> None:
-    """Occupy the device so that ``headroom`` bytes are free for routing."""
+    await set_headroom(client, gateway, headroom)
     device = gateway.poller.snapshot.device("sim:0")
-    margin = device.free_bytes - gateway.margin.headroom(device)
-    mine = sum(gateway.sim.attached("sim:0").values())
-    pressure = device.total_bytes - mine - margin - headroom
-    r = await client.put("/admin/devices/sim:0/pressure", json={"bytes": pressure})
-    assert r.status_code == 200
-    await gateway.poller.poll_once()
-    assert (
-        abs(gateway.margin.headroom(gateway.poller.snapshot.device("sim:0")) - headroom)
-        < 2 * GiB // 100
-    )
+    assert abs(gateway.margin.headroom(device) - headroom) < 2 * GiB // 100
 
 
 @pytest.mark.parametrize(

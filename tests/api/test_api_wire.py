@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from qrtest import fake_table
+from qrtest import fake_table, serving
 from quantroute.api.app import create_app
 from quantroute.config import load_settings
 from quantroute.engines.fake import FakeEngine, FakeFaults
@@ -21,23 +22,13 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
         yield c
 
 
-class _client:
-    def __init__(self, engines: dict[str, Any], **settings: Any):
-        self.app = create_app(
-            load_settings(**({"server": {"max_body_bytes": 4096}} | settings)), fake_table(engines)
-        )
-
-    async def __aenter__(self) -> httpx.AsyncClient:
-        self._lifespan = self.app.router.lifespan_context(self.app)
-        await self._lifespan.__aenter__()
-        self._client = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=self.app), base_url="http://qr"
-        )
-        return self._client
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._client.aclose()
-        await self._lifespan.__aexit__(None, None, None)
+@contextlib.asynccontextmanager
+async def _client(engines: dict[str, Any], **settings: Any) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(
+        load_settings(**({"server": {"max_body_bytes": 4096}} | settings)), fake_table(engines)
+    )
+    async with serving(app) as (client, _):
+        yield client
 
 
 def _events(body: str) -> list[Any]:

@@ -15,7 +15,7 @@ import itertools
 import json
 import logging
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -202,6 +202,35 @@ class LlamaCppEngine:
             raise EngineUnavailableError(f"branch {self.name} is not ready")
         proc.stdin.write(json.dumps(command, separators=(",", ":")).encode() + b"\n")
 
+    async def _exchange(
+        self, command: dict[str, Any], last: str
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """Send ``command``; yield the worker's events for it up to the one named ``last``.
+        An ``err`` event or a dead worker raises; leaving early cancels the command."""
+        rid = command["id"]
+        stream: asyncio.Queue[_Item] = asyncio.Queue()
+        self._streams[rid] = stream
+        done = False
+        try:
+            self._send(command)
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if item["ev"] == "err":
+                    done = True
+                    raise _worker_error(self.name, item)
+                done = item["ev"] == last
+                yield item
+                if done:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not done:
+                with contextlib.suppress(EngineError):
+                    self._send({"op": "cancel", "id": rid})
+
     # -- scoring --------------------------------------------------------------
 
     async def score(
@@ -209,73 +238,45 @@ class LlamaCppEngine:
     ) -> npt.NDArray[np.float32]:
         """Teacher-force ``tokens`` after ``prompt``; return the log-softmax rows
         that predicted each of them, ``[len(tokens), n_vocab]``."""
-        rid = f"score.{next(self._ids)}"
-        stream: asyncio.Queue[_Item] = asyncio.Queue()
-        self._streams[rid] = stream
-        done = False
-        try:
-            self._send(
-                {
-                    "op": "score",
-                    "id": rid,
-                    "prompt": prompt,
-                    "special": parse_special,
-                    "tokens": tokens,
-                }
-            )
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
+        command = {
+            "op": "score",
+            "id": f"score.{next(self._ids)}",
+            "prompt": prompt,
+            "special": parse_special,
+            "tokens": tokens,
+        }
+        async with contextlib.aclosing(self._exchange(command, last="rows")) as events:
+            async for item in events:
                 if item["ev"] == "rows":
-                    done = True
                     data = base64.b64decode(item["data"])
                     return np.frombuffer(data, dtype=np.float32).reshape(item["shape"])
-                if item["ev"] == "err":
-                    done = True
-                    raise _worker_error(self.name, item)
-        finally:
-            self._streams.pop(rid, None)
-            if not done:
-                with contextlib.suppress(EngineError):
-                    self._send({"op": "cancel", "id": rid})
+        raise EngineError(f"branch {self.name}: scoring ended without rows")
 
     # -- generation -----------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
-        rid = f"{request.request_id}.{next(self._ids)}"
-        stream: asyncio.Queue[_Item] = asyncio.Queue()
         s = request.sampling
-        self._streams[rid] = stream
-        done = False
-        try:
-            self._send(
-                {
-                    "op": "gen",
-                    "id": rid,
-                    "prompt": request.prompt,
-                    "special": request.parse_special,
-                    "s": {
-                        "max_tokens": s.max_tokens,
-                        "fit_context": s.fit_context,
-                        "temperature": s.temperature,
-                        "top_p": s.top_p,
-                        "top_k": s.top_k,
-                        "seed": s.seed,
-                        "stop": list(s.stop),
-                        "logprobs": s.logprobs,
-                        "top_logprobs": s.top_logprobs,
-                        "logit_bias": [list(pair) for pair in s.logit_bias],
-                        "ignore_eos": s.ignore_eos,
-                    },
-                }
-            )
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
+        command = {
+            "op": "gen",
+            "id": f"{request.request_id}.{next(self._ids)}",
+            "prompt": request.prompt,
+            "special": request.parse_special,
+            "s": {
+                "max_tokens": s.max_tokens,
+                "fit_context": s.fit_context,
+                "temperature": s.temperature,
+                "top_p": s.top_p,
+                "top_k": s.top_k,
+                "seed": s.seed,
+                "stop": list(s.stop),
+                "logprobs": s.logprobs,
+                "top_logprobs": s.top_logprobs,
+                "logit_bias": [list(pair) for pair in s.logit_bias],
+                "ignore_eos": s.ignore_eos,
+            },
+        }
+        async with contextlib.aclosing(self._exchange(command, last="fin")) as events:
+            async for item in events:
                 kind = item["ev"]
                 if kind == "tok":
                     top = tuple((t, text, lp) for t, text, lp in item.get("top", ()))
@@ -283,19 +284,9 @@ class LlamaCppEngine:
                 elif kind == "start":
                     yield StartEvent(item["pt"])
                 elif kind == "fin":
-                    done = True
                     yield FinishEvent(
                         FinishReason(item["reason"]), item["pt"], item["ct"], item["t"]
                     )
-                    return
-                elif kind == "err":
-                    done = True
-                    raise _worker_error(self.name, item)
-        finally:
-            self._streams.pop(rid, None)
-            if not done:
-                with contextlib.suppress(EngineError):
-                    self._send({"op": "cancel", "id": rid})
 
 
 def _worker_error(branch: str, event: dict[str, Any]) -> Exception:
