@@ -123,6 +123,13 @@ class TelemetrySettings(BaseModel):
     safety_margin_fraction: float = Field(
         0.05, ge=0, lt=1, description="Memory margin as a fraction of a device's total."
     )
+    sim_weight_scale: float = Field(
+        1.0,
+        ge=1.0,
+        le=1e6,
+        description="Simulated devices count each branch's weights this many times over, to "
+        "emulate a larger model of the same precisions (demos and benchmarks).",
+    )
     pressure_file: Path | None = Field(
         None,
         description=(

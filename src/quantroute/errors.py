@@ -17,6 +17,7 @@ OpenAI error ``type`` and ``code``, and whether a retry elsewhere may succeed.
     ├── ServiceUnavailableError          503 (nothing ready; Retry-After)
     └── EngineError                      502 server_error, retryable
         ├── EngineUnavailableError       503 (worker not ready / restarting)
+        ├── DeviceOutOfMemoryError       503 (no memory for the request on its device)
         └── EngineCrashedError           502 (worker died mid-request)
 
 Messages never echo request content: they name the field and the bound.
@@ -114,6 +115,14 @@ class EngineError(QuantrouteError):
 class EngineUnavailableError(EngineError):
     status = 503
     code = "engine_unavailable"
+
+
+class DeviceOutOfMemoryError(EngineError):
+    """The branch's device has no memory left for this request (on simulated devices,
+    emulated when the device is over its budget, as an allocation would fail)."""
+
+    status = 503
+    code = "device_out_of_memory"
 
 
 class EngineCrashedError(EngineError):

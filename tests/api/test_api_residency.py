@@ -59,6 +59,14 @@ async def test_branches_leave_under_pressure_and_return(
     plan = await gateway.apply_residency()
     assert plan.unload == ("tiny-llama:q8_0",)
     assert [n for n, e in engines.items() if e.ready] == ["q4_k_m"]
+    # The model keeps its last branch, but a device over budget cannot take a request:
+    # routing finds no room (503), and a pinned request fails as its allocation would.
+    r = await http.post("/v1/completions", json={"model": "tiny-llama", "prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+    r = await http.post("/v1/completions", json={"model": "tiny-llama:q4_k_m", "prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "device_out_of_memory"
+    await set_headroom(http, gateway, 8 * MiB)  # within budget again, no room for more
+    assert not await gateway.apply_residency()
     assert await _branch(http) == "q4_k_m"
     # Room again (f16's footprint + the reload margin): the most faithful comes back first.
     await set_headroom(http, gateway, f16_bytes + 32 * MiB)
@@ -90,3 +98,32 @@ async def test_a_busy_branch_drains_before_it_is_unloaded(
     assert isinstance(events[-1], FinishEvent) and events[-1].completion_tokens == 400
     await gateway.apply_residency()
     assert not engine.ready
+
+
+async def test_scaled_weights_and_out_of_memory_until_residency_acts(tmp_path: Path) -> None:
+    settings = load_settings(
+        repo=demo_repo_copy(tmp_path),
+        engine={"parallel": 2, "n_threads": 1},
+        telemetry={"devices": "sim:1x24GiB", "sim_weight_scale": 2000},
+        routing={"residency": False},
+    )
+    async with serving(create_app(settings)) as (http, gateway):
+        await gateway.poller.poll_once()
+        branches = (await http.get("/v1/devices")).json()["branches"]
+        on_device = {k.split(":")[1]: v["footprint"]["device_bytes"] for k, v in branches.items()}
+        # weights x 2000: f16 ~7.5 GB, q8_0 ~4 GB, q4_k_m ~2.3 GB, as for a ~3.8 B model
+        assert on_device["f16"] > 7 * GiB > on_device["q8_0"] > 3.5 * GiB > on_device["q4_k_m"]
+        used = gateway.poller.snapshot.device("sim:0").used_bytes
+        assert used == sum(on_device.values())
+        await set_headroom(http, gateway, -MiB)  # over budget: allocations fail
+        r = await http.post(
+            "/v1/completions", json={"model": "tiny-llama:q8_0", "prompt": "x", "max_tokens": 2}
+        )
+        assert r.status_code == 503 and r.json()["error"]["code"] == "device_out_of_memory"
+        plan = await gateway.apply_residency()
+        assert plan.unload == ("tiny-llama:f16",)  # the coldest and largest goes
+        await gateway.poller.poll_once()
+        r = await http.post(
+            "/v1/completions", json={"model": "tiny-llama:q8_0", "prompt": "x", "max_tokens": 2}
+        )
+        assert r.status_code == 200

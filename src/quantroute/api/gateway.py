@@ -26,7 +26,12 @@ from quantroute.config import Settings
 from quantroute.engines.base import GenerationRequest, SamplingParams
 from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
-from quantroute.errors import InsufficientMemoryError, InvalidRequestError, NotFoundError
+from quantroute.errors import (
+    DeviceOutOfMemoryError,
+    InsufficientMemoryError,
+    InvalidRequestError,
+    NotFoundError,
+)
 from quantroute.quality.drift import Baseline, DriftMonitor, Replay
 from quantroute.quality.profile import load_profiles
 from quantroute.registry.repository import scan_repository
@@ -103,6 +108,7 @@ class Gateway:
             degraded=self._degraded,
             on_finished=self._finished,
             states=self.branch_states,
+            admit=self.admit,
         )
         self.drift: DriftMonitor | None = None
         self.health: HealthTracker = health_from_settings(settings.telemetry)
@@ -182,6 +188,26 @@ class Gateway:
         )
         return footprint, kv_cache_bytes(shape, 1)
 
+    def _device_bytes(self, footprint: Footprint) -> int:
+        """What a branch occupies on its device: its footprint, with the weights scaled by
+        ``telemetry.sim_weight_scale`` on simulated devices."""
+        scale = self.settings.telemetry.sim_weight_scale
+        if self.sim is None or scale == 1.0:
+            return footprint.bytes
+        return footprint.bytes + round(footprint.weights_bytes * (scale - 1.0))
+
+    def admit(self, branch: Branch) -> None:
+        """Before a request opens on ``branch``: on a simulated device over its budget,
+        fail as the allocation on a real one would (the service falls back)."""
+        placement = self.placements.get(branch.id)
+        if self.sim is None or self.poller is None or placement is None or not placement.device:
+            return
+        device = self.poller.snapshot.device(placement.device)
+        if device is not None and self.margin.balance(device) < 0:
+            raise DeviceOutOfMemoryError(
+                f"device {placement.device} is out of memory for branch {branch.id}"
+            )
+
     def _place_all(self, branches: list[Branch]) -> None:
         snapshot = self.poller.snapshot if self.poller else None
         devices = list(snapshot.devices) if snapshot else []
@@ -195,7 +221,7 @@ class Gateway:
             if devices and topology is not None:
                 try:
                     device = place(
-                        footprint,
+                        self._device_bytes(footprint),
                         devices,
                         topology,
                         self.health.factors(d.id for d in devices),
@@ -204,7 +230,8 @@ class Gateway:
                     )[0]
                 except InsufficientMemoryError as exc:
                     log.error("%s: not started: %s", branch.id, exc.message)
-                devices = [_reserve(d, footprint.bytes) if d.id == device else d for d in devices]
+                need = self._device_bytes(footprint)
+                devices = [_reserve(d, need) if d.id == device else d for d in devices]
             else:
                 device = "cpu"
             self.placements[branch.id] = Placement(device, footprint, kv_per_token)
@@ -288,7 +315,7 @@ class Gateway:
         if placement is None or placement.device is None:
             return
         if self.sim is not None:
-            self.sim.attach(placement.device, engine.name, placement.footprint.bytes)
+            self.sim.attach(placement.device, engine.name, self._device_bytes(placement.footprint))
         self._spawn(self._measure(engine, pid))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -349,7 +376,7 @@ class Gateway:
         footprint = placement.footprint.with_measurement(measured)
         self.placements[engine.name] = dataclasses.replace(placement, footprint=footprint)
         if self.sim is not None and placement.device is not None:
-            self.sim.attach(placement.device, engine.name, footprint.bytes)
+            self.sim.attach(placement.device, engine.name, self._device_bytes(footprint))
         log.info(
             "%s: footprint %d MiB measured, %d MiB estimated",
             engine.name,
@@ -388,7 +415,7 @@ class Gateway:
                     id=b.id,
                     model=b.model,
                     device=placement.device or roomiest,
-                    footprint_bytes=placement.footprint.bytes,
+                    footprint_bytes=self._device_bytes(placement.footprint),
                     loaded=b.id in self._loaded and b.id not in self._draining,
                     rank=b.precision.spec.rank,
                     heat=rate * math.exp(-(now - last) / _HEAT_WINDOW_S) if last else 0.0,
@@ -408,6 +435,8 @@ class Gateway:
             await self._load(
                 branches[branch_id], device=next(r.device for r in residents if r.id == branch_id)
             )
+        if plan:  # routing and admission should see the devices as they now are
+            await self.poller.poll_once()
         return plan
 
     async def _unload(self, branch: Branch) -> None:
@@ -501,6 +530,7 @@ class Gateway:
                 "ready": self._ready(branch_id),
                 "footprint": {
                     "bytes": p.footprint.bytes,
+                    "device_bytes": self._device_bytes(p.footprint),
                     "estimated_bytes": p.footprint.estimated_bytes,
                     "measured_bytes": p.footprint.measured_bytes,
                     "weights_bytes": p.footprint.weights_bytes,

@@ -157,12 +157,14 @@ class CompletionService:
         degraded: Callable[[str], bool] = lambda branch_id: False,
         on_finished: Callable[[Run, list[int]], None] | None = None,
         states: Callable[[str], Sequence[BranchState]] | None = None,
+        admit: Callable[[Branch], None] = lambda branch: None,
     ):
         self._routes = routes
         self._settings = settings
         self._degraded = degraded
         self._on_finished = on_finished
         self._states = states  # None: route by precision only (tables of fake engines)
+        self._admit = admit  # may raise an EngineError: the branch cannot take it now
 
     def route(
         self, req: ChatCompletionRequest | CompletionRequest, headers: Mapping[str, str]
@@ -335,6 +337,7 @@ class CompletionService:
         for branch in job.decision.branches:
             streams: list[AsyncIterator[EngineEvent]] = []
             try:
+                self._admit(branch)
                 prompt_tokens = []
                 for request in job.requests:
                     stream = aiter(branch.engine.generate(request))
