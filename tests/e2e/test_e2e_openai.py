@@ -88,9 +88,12 @@ def test_chat_non_stream_and_branch_header(client: openai.OpenAI) -> None:
         max_tokens=24,
         temperature=0,
     )
-    assert raw.headers["x-quantroute-branch"] == "tiny-llama:f16"
+    # which branch depends on the host's free memory (the cpu device): any, but named
+    branch = raw.headers["x-quantroute-branch"]
+    assert branch in {"tiny-llama:f16", "tiny-llama:q8_0", "tiny-llama:q4_k_m"}
+    assert raw.headers["x-quantroute-route-reason"]
     completion = raw.parse()
-    assert completion.model == "tiny-llama:f16"
+    assert completion.model == branch
     assert completion.choices[0].message.role == "assistant"
     assert completion.choices[0].finish_reason in ("stop", "length")
     assert completion.usage is not None and 0 < completion.usage.completion_tokens <= 24
