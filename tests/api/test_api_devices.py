@@ -131,3 +131,20 @@ async def test_workers_are_pinned_to_their_configured_cores(tmp_path: Path) -> N
         assert [b.name for b in branches] == ["f16", "q8_0", "q4_k_m"]
         for branch, cpus in zip(branches, plan, strict=True):
             assert psutil.Process(branch.engine.pid).cpu_affinity() == cpus
+
+
+async def test_device_gauges_are_exported(sim_client: tuple[httpx.AsyncClient, Any]) -> None:
+    client, gateway = sim_client
+    await client.put("/admin/devices/sim:1/pressure", json={"bytes": 20 * GiB})
+    await gateway.poller.poll_once()
+    r = await client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    gauges = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in r.text.splitlines()
+        if line.startswith("quantroute_device_")
+    }
+    assert gauges['quantroute_device_total_bytes{device="sim:0",kind="sim"}'] == 24 * GiB
+    assert gauges['quantroute_device_free_bytes{device="sim:1",kind="sim"}'] < 4 * GiB
+    assert gauges['quantroute_device_health{device="sim:0"}'] == 1.0
+    assert 'quantroute_branch_ready{branch="f16",model="tiny-llama",precision="f16"} 1.0' in r.text

@@ -10,7 +10,13 @@ import pytest
 from quantroute.cli import _leaf_fields
 from quantroute.config import Settings
 
-PACKAGES = ["quantroute.api", "quantroute.engines", "quantroute.registry", "quantroute.routing"]
+PACKAGES = [
+    "quantroute.api",
+    "quantroute.engines",
+    "quantroute.observability",
+    "quantroute.registry",
+    "quantroute.routing",
+]
 
 
 @pytest.mark.parametrize("name", PACKAGES)

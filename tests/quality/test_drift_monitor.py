@@ -106,3 +106,18 @@ async def test_damaged_branch_is_flagged_and_healthy_one_is_not(
     assert damaged["last_window"]["mean_kld"] > 0.05 + 0.0103  # above its profile + δ
     # The verdict reaches routing: the service's policy sees the branch as degraded.
     assert gateway._degraded("tiny-llama:q4_k_m") and not gateway._degraded("tiny-llama:q8_0")
+
+
+async def test_drift_verdict_is_a_prometheus_metric(
+    client: tuple[httpx.AsyncClient, Any],
+) -> None:
+    http, _ = client
+    await _serve(http, "q4_k_m", 12)
+    for _ in range(200):
+        if (await _drift(http, "q4_k_m"))["degraded"]:
+            break
+        await asyncio.sleep(0.05)
+    text = (await http.get("/metrics")).text
+    assert 'quantroute_branch_degraded{branch="q4_k_m",model="tiny-llama"} 1.0' in text
+    assert 'quantroute_branch_degraded{branch="q8_0",model="tiny-llama"} 0.0' in text
+    assert "quantroute_branch_drift_window_kld{" in text

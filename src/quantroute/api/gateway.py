@@ -32,6 +32,7 @@ from quantroute.errors import (
     InvalidRequestError,
     NotFoundError,
 )
+from quantroute.observability.metrics import BranchSample, DeviceSample
 from quantroute.quality.drift import Baseline, DriftMonitor, Replay
 from quantroute.quality.profile import load_profiles
 from quantroute.registry.repository import scan_repository
@@ -549,6 +550,46 @@ class Gateway:
         if device_id not in self.sim.device_ids:
             raise NotFoundError("No such simulated device.", param="device_id", code="not_found")
         self.sim.set_pressure(device_id, nbytes)
+
+    # -- metrics (observability.GatewayView) -----------------------------------
+
+    def branch_samples(self) -> list[BranchSample]:
+        samples = []
+        for b in self.routes.current.branches():
+            placement = self.placements.get(b.id)
+            state = self.drift.state(b.id) if self.drift is not None else None
+            last = state.last if state is not None else None
+            samples.append(
+                BranchSample(
+                    model=b.model,
+                    branch=b.name,
+                    precision=b.precision.value,
+                    ready=self.routable(b),
+                    in_flight=b.engine.in_flight,
+                    device=(placement.device or "") if placement else "",
+                    footprint_bytes=self._device_bytes(placement.footprint) if placement else 0,
+                    degraded=bool(state and state.degraded),
+                    window_kld=last.mean_kld if last else None,
+                    window_top1=last.top1 if last else None,
+                )
+            )
+        return samples
+
+    def device_samples(self) -> tuple[list[DeviceSample], float]:
+        if self.poller is None:
+            return [], math.inf
+        snapshot = self.poller.snapshot
+        return [
+            DeviceSample(
+                device=d.id,
+                kind=str(d.kind),
+                total_bytes=d.total_bytes,
+                free_bytes=d.free_bytes,
+                free_for_routing_bytes=self.margin.headroom(d),
+                health=self.health.factor(d.id),
+            )
+            for d in snapshot.devices
+        ], snapshot.age_s()
 
     def _ready(self, branch_id: str) -> bool:
         return any(b.engine.ready for b in self.routes.current.branches() if b.id == branch_id)

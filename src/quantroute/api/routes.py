@@ -9,7 +9,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quantroute.api.gateway import Gateway
@@ -19,6 +20,7 @@ from quantroute.api.service import CompletionService, Run, Tick
 from quantroute.api.sse import sse_events
 from quantroute.engines.base import StartEvent
 from quantroute.errors import InvalidRequestError
+from quantroute.observability import render_metrics
 from quantroute.quality.profile import BranchProfile
 from quantroute.routing.table import RouteTableRef
 
@@ -194,6 +196,13 @@ def _profile_json(profile: BranchProfile | None) -> dict[str, Any] | None:
         "rss_bytes": profile.rss_bytes,
         "measured_at": profile.measured_at.isoformat(),
     }
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus metrics of branches and devices (text exposition format)."""
+    gateway: Gateway = request.app.state.gateway
+    return Response(render_metrics(gateway), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/healthz")
