@@ -32,7 +32,6 @@ from quantroute.errors import (
     InvalidRequestError,
     NotFoundError,
 )
-from quantroute.observability.metrics import BranchSample, DeviceSample
 from quantroute.quality.drift import Baseline, DriftMonitor, Replay
 from quantroute.quality.profile import load_profiles
 from quantroute.registry.repository import scan_repository
@@ -52,7 +51,6 @@ from quantroute.telemetry import (
     place,
     plan_cpu_affinity,
     read_model_shape,
-    snapshot_to_json,
 )
 from quantroute.telemetry.selection import (
     CompositeProvider,
@@ -189,7 +187,7 @@ class Gateway:
         )
         return footprint, kv_cache_bytes(shape, 1)
 
-    def _device_bytes(self, footprint: Footprint) -> int:
+    def device_bytes(self, footprint: Footprint) -> int:
         """What a branch occupies on its device: its footprint, with the weights scaled by
         ``telemetry.sim_weight_scale`` on simulated devices."""
         scale = self.settings.telemetry.sim_weight_scale
@@ -222,7 +220,7 @@ class Gateway:
             if devices and topology is not None:
                 try:
                     device = place(
-                        self._device_bytes(footprint),
+                        self.device_bytes(footprint),
                         devices,
                         topology,
                         self.health.factors(d.id for d in devices),
@@ -231,7 +229,7 @@ class Gateway:
                     )[0]
                 except InsufficientMemoryError as exc:
                     log.error("%s: not started: %s", branch.id, exc.message)
-                need = self._device_bytes(footprint)
+                need = self.device_bytes(footprint)
                 devices = [_reserve(d, need) if d.id == device else d for d in devices]
             else:
                 device = "cpu"
@@ -316,7 +314,7 @@ class Gateway:
         if placement is None or placement.device is None:
             return
         if self.sim is not None:
-            self.sim.attach(placement.device, engine.name, self._device_bytes(placement.footprint))
+            self.sim.attach(placement.device, engine.name, self.device_bytes(placement.footprint))
         self._spawn(self._measure(engine, pid))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -377,7 +375,7 @@ class Gateway:
         footprint = placement.footprint.with_measurement(measured)
         self.placements[engine.name] = dataclasses.replace(placement, footprint=footprint)
         if self.sim is not None and placement.device is not None:
-            self.sim.attach(placement.device, engine.name, self._device_bytes(footprint))
+            self.sim.attach(placement.device, engine.name, self.device_bytes(footprint))
         log.info(
             "%s: footprint %d MiB measured, %d MiB estimated",
             engine.name,
@@ -416,7 +414,7 @@ class Gateway:
                     id=b.id,
                     model=b.model,
                     device=placement.device or roomiest,
-                    footprint_bytes=self._device_bytes(placement.footprint),
+                    footprint_bytes=self.device_bytes(placement.footprint),
                     loaded=b.id in self._loaded and b.id not in self._draining,
                     rank=b.precision.spec.rank,
                     heat=rate * math.exp(-(now - last) / _HEAT_WINDOW_S) if last else 0.0,
@@ -510,39 +508,7 @@ class Gateway:
         rate, last = self._heat.get(branch_id, (0.0, 0.0))
         return rate * math.exp(-(time.monotonic() - last) / _HEAT_WINDOW_S) if last else 0.0
 
-    # -- views ----------------------------------------------------------------
-
-    def devices_json(self) -> dict[str, Any]:
-        assert self.poller is not None
-        snapshot = self.poller.snapshot
-        on_device: dict[str, list[str]] = {}
-        for branch_id, placement in self.placements.items():
-            if placement.device is not None:
-                on_device.setdefault(placement.device, []).append(branch_id)
-        body = snapshot_to_json(
-            snapshot,
-            on_device,
-            health=self.health.factors(snapshot.device_ids),
-            margin=self.margin,
-        )
-        body["branches"] = {
-            branch_id: {
-                "device": p.device,
-                "ready": self._ready(branch_id),
-                "footprint": {
-                    "bytes": p.footprint.bytes,
-                    "device_bytes": self._device_bytes(p.footprint),
-                    "estimated_bytes": p.footprint.estimated_bytes,
-                    "measured_bytes": p.footprint.measured_bytes,
-                    "weights_bytes": p.footprint.weights_bytes,
-                    "kv_bytes": p.footprint.kv_bytes,
-                    "compute_bytes": p.footprint.compute_bytes,
-                    "overhead_bytes": p.footprint.overhead_bytes + p.footprint.runtime_bytes,
-                },
-            }
-            for branch_id, p in self.placements.items()
-        }
-        return body
+    # -- admin ----------------------------------------------------------------
 
     def set_pressure(self, device_id: str, nbytes: int) -> None:
         if self.sim is None:
@@ -550,49 +516,6 @@ class Gateway:
         if device_id not in self.sim.device_ids:
             raise NotFoundError("No such simulated device.", param="device_id", code="not_found")
         self.sim.set_pressure(device_id, nbytes)
-
-    # -- metrics (observability.GatewayView) -----------------------------------
-
-    def branch_samples(self) -> list[BranchSample]:
-        samples = []
-        for b in self.routes.current.branches():
-            placement = self.placements.get(b.id)
-            state = self.drift.state(b.id) if self.drift is not None else None
-            last = state.last if state is not None else None
-            samples.append(
-                BranchSample(
-                    model=b.model,
-                    branch=b.name,
-                    precision=b.precision.value,
-                    ready=self.routable(b),
-                    in_flight=b.engine.in_flight,
-                    device=(placement.device or "") if placement else "",
-                    footprint_bytes=self._device_bytes(placement.footprint) if placement else 0,
-                    degraded=bool(state and state.degraded),
-                    window_kld=last.mean_kld if last else None,
-                    window_top1=last.top1 if last else None,
-                )
-            )
-        return samples
-
-    def device_samples(self) -> tuple[list[DeviceSample], float]:
-        if self.poller is None:
-            return [], math.inf
-        snapshot = self.poller.snapshot
-        return [
-            DeviceSample(
-                device=d.id,
-                kind=str(d.kind),
-                total_bytes=d.total_bytes,
-                free_bytes=d.free_bytes,
-                free_for_routing_bytes=self.margin.headroom(d),
-                health=self.health.factor(d.id),
-            )
-            for d in snapshot.devices
-        ], snapshot.age_s()
-
-    def _ready(self, branch_id: str) -> bool:
-        return any(b.engine.ready for b in self.routes.current.branches() if b.id == branch_id)
 
 
 def _reserve(device: DeviceStats, nbytes: int) -> DeviceStats:

@@ -18,6 +18,7 @@ from quantroute.api.render import ResponseRenderer
 from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
 from quantroute.api.service import CompletionService, Run, Tick
 from quantroute.api.sse import sse_events
+from quantroute.api.views import MetricsView, devices_json
 from quantroute.engines.base import StartEvent
 from quantroute.errors import InvalidRequestError
 from quantroute.observability import render_metrics
@@ -202,7 +203,7 @@ def _profile_json(profile: BranchProfile | None) -> dict[str, Any] | None:
 async def metrics(request: Request) -> Response:
     """Prometheus metrics of branches and devices (text exposition format)."""
     gateway: Gateway = request.app.state.gateway
-    return Response(render_metrics(gateway), media_type=CONTENT_TYPE_LATEST)
+    return Response(render_metrics(MetricsView(gateway)), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/healthz")
@@ -227,7 +228,7 @@ async def readyz(request: Request) -> JSONResponse:
 @router.get("/v1/devices")
 async def devices(request: Request) -> dict[str, Any]:
     gateway: Gateway = request.app.state.gateway
-    return gateway.devices_json()
+    return devices_json(gateway)
 
 
 class PressureBody(BaseModel):
