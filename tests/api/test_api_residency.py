@@ -25,7 +25,8 @@ async def client(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]
     settings = load_settings(
         repo=demo_repo_copy(tmp_path),
         engine={"parallel": 2, "n_threads": 1},
-        telemetry={"devices": "sim:1x8GiB", "poll_interval_s": 0.5},
+        # weights x 100, so the precisions differ in size beyond the noise of measured RSS
+        telemetry={"devices": "sim:1x8GiB", "poll_interval_s": 0.5, "sim_weight_scale": 100},
         # the test drives each round itself
         routing={"residency": False, "reload_margin_bytes": 16 * MiB},
     )
@@ -49,7 +50,7 @@ async def test_branches_leave_under_pressure_and_return(
     engines = {b.name: b.engine for b in gateway.routes.current.branches()}
     for _ in range(3):  # q4_k_m is the one in use: it is the last to go
         assert await _branch(http, model="tiny-llama:q4_k_m") == "q4_k_m"
-    f16_bytes = gateway.placements["tiny-llama:f16"].footprint.bytes
+    f16_bytes = gateway.device_bytes(gateway.placements["tiny-llama:f16"].footprint)
     await set_headroom(http, gateway, -MiB)  # 1 MiB over budget: one cold branch must go
     plan = await gateway.apply_residency()
     assert plan.unload == ("tiny-llama:f16",) and not engines["f16"].ready

@@ -5,9 +5,10 @@ Rules, per device, in order:
 
 1. **Never past the budget.** When a device's free-for-routing memory is below
    zero, its loaded branches are unloaded, coldest first (lowest heat, then
-   least recently used, then the most expensive), until it is not — except the
-   last loaded branch of a model, which stays while nothing else of that model
-   is loaded.
+   least recently used, then the most expensive), until it is not — except each
+   model's cheapest loaded branch, its survivor (the one most likely to fit).
+   If the device is still over budget, a survivor is swapped for the most
+   faithful smaller branch of its model that fits.
 2. **Every model keeps a branch.** A model with nothing loaded gets its
    cheapest branch that fits.
 3. **Reload when there is room.** An unloaded branch is loaded again when its
@@ -46,6 +47,10 @@ class ResidencyPlan:
         return bool(self.unload or self.load)
 
 
+def _cheaper(a: ResidentBranch, b: ResidentBranch) -> bool:
+    return (a.footprint_bytes, -a.rank) < (b.footprint_bytes, -b.rank)
+
+
 def plan_residency(
     branches: Sequence[ResidentBranch],
     headroom: Mapping[str, int],  # device id -> free-for-routing bytes now
@@ -58,17 +63,41 @@ def plan_residency(
         if b.loaded:
             loaded_per_model[b.model] = loaded_per_model.get(b.model, 0) + 1
     unload: list[str] = []
+    load: list[str] = []
+    survivor: dict[str, ResidentBranch] = {}
+    for b in branches:
+        if b.loaded and (b.model not in survivor or _cheaper(b, survivor[b.model])):
+            survivor[b.model] = b
     coldest_first = sorted(
         (b for b in branches if b.loaded),
         key=lambda b: (b.heat, b.last_used, -b.footprint_bytes, -b.rank),
     )
     for b in coldest_first:  # rule 1
-        if free.get(b.device, 0) >= 0 or loaded_per_model[b.model] <= 1:
+        if free.get(b.device, 0) >= 0 or survivor[b.model] is b:
             continue
         unload.append(b.id)
         loaded_per_model[b.model] -= 1
         free[b.device] = free.get(b.device, 0) + b.footprint_bytes
-    load: list[str] = []
+    for b in sorted(survivor.values(), key=lambda b: -b.footprint_bytes):  # rule 1, swaps
+        if free.get(b.device, 0) >= 0:
+            continue
+        room = free.get(b.device, 0) + b.footprint_bytes
+        smaller = sorted(
+            (
+                c
+                for c in branches
+                if c.model == b.model
+                and not c.loaded
+                and c.device == b.device
+                and c.footprint_bytes < b.footprint_bytes
+                and c.footprint_bytes <= room
+            ),
+            key=lambda c: (c.rank, c.footprint_bytes),
+        )
+        if smaller:
+            unload.append(b.id)
+            load.append(smaller[0].id)
+            free[b.device] = room - smaller[0].footprint_bytes
     for model in sorted({b.model for b in branches}):  # rule 2
         if loaded_per_model.get(model, 0):
             continue
