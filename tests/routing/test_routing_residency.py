@@ -31,16 +31,18 @@ def _branches(loaded: str = "f16 q8 q4", **heat: float) -> list[ResidentBranch]:
         ("f16 q8 q4", 2 * GiB, {}, ResidencyPlan()),
         # over budget by 1 GiB: the coldest goes; among equals, the most expensive
         ("f16 q8 q4", -1 * GiB, {}, ResidencyPlan(unload=("m:f16",))),
-        # ...but heat protects a branch in use, and the cheapest stays as the survivor
-        ("f16 q8 q4", -1 * GiB, {"f16": 5.0, "q8": 1.0}, ResidencyPlan(unload=("m:q8",))),
-        # a hot f16 goes too when the device needs it, leaving the cheap survivor
-        ("f16 q8 q4", -9 * GiB, {"f16": 5.0, "q8": 1.0}, ResidencyPlan(unload=("m:q8", "m:f16"))),
+        # ...but heat protects the branches in use: here the cold q4 goes
+        ("f16 q8 q4", -1 * GiB, {"f16": 5.0, "q8": 1.0}, ResidencyPlan(unload=("m:q4",))),
+        # hot branches are kept while they fit (18 GiB for the model: f16 alone)
+        ("f16 q8 q4", -9 * GiB, {"f16": 5.0, "q8": 1.0}, ResidencyPlan(unload=("m:q8", "m:q4"))),
+        # 13 GiB: the hot f16 no longer fits; the cold ones do
+        ("f16 q8 q4", -14 * GiB, {"f16": 5.0}, ResidencyPlan(unload=("m:f16",))),
         # the survivor alone does not fit: swapped for the most faithful smaller one that does
         ("f16", -2 * GiB, {"f16": 5.0}, ResidencyPlan(unload=("m:f16",), load=("m:q8",))),
         ("f16", -7 * GiB, {"f16": 5.0}, ResidencyPlan(unload=("m:f16",), load=("m:q4",))),
         # deep pressure: unload until within budget, keeping one branch of the model
         ("f16 q8 q4", -30 * GiB, {}, ResidencyPlan(unload=("m:f16", "m:q8"))),
-        # the last branch of a model stays even over budget
+        # nothing of the model fits: it keeps its smallest loaded branch
         ("q4", -3 * GiB, {}, ResidencyPlan()),
         # nothing loaded: the cheapest branch that fits comes back (not f16: no room)
         ("", 6 * GiB, {}, ResidencyPlan(load=("m:q4",))),

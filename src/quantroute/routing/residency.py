@@ -3,12 +3,13 @@ the gateway carries the plan out (stops and starts workers) once per device read
 
 Rules, per device, in order:
 
-1. **Never past the budget.** When a device's free-for-routing memory is below
-   zero, its loaded branches are unloaded, coldest first (lowest heat, then
-   least recently used, then the most expensive), until it is not — except each
-   model's cheapest loaded branch, its survivor (the one most likely to fit).
-   If the device is still over budget, a survivor is swapped for the most
-   faithful smaller branch of its model that fits.
+1. **Never past the budget.** On a device whose free-for-routing memory is
+   below zero, the loaded branches are kept in order of value (recent request
+   rate, then recency; among the cold, the smaller first, so that more stay)
+   as long as they fit in what the device can give its branches; the rest are
+   unloaded. A model left with nothing
+   keeps (or loads) its most faithful branch that still fits, else its
+   smallest loaded one.
 2. **Every model keeps a branch.** A model with nothing loaded gets its
    cheapest branch that fits.
 3. **Reload when there is room.** An unloaded branch is loaded again when its
@@ -47,8 +48,8 @@ class ResidencyPlan:
         return bool(self.unload or self.load)
 
 
-def _cheaper(a: ResidentBranch, b: ResidentBranch) -> bool:
-    return (a.footprint_bytes, -a.rank) < (b.footprint_bytes, -b.rank)
+def _size(b: ResidentBranch) -> tuple[int, int]:
+    return (b.footprint_bytes, -b.rank)
 
 
 def plan_residency(
@@ -64,40 +65,37 @@ def plan_residency(
             loaded_per_model[b.model] = loaded_per_model.get(b.model, 0) + 1
     unload: list[str] = []
     load: list[str] = []
-    survivor: dict[str, ResidentBranch] = {}
-    for b in branches:
-        if b.loaded and (b.model not in survivor or _cheaper(b, survivor[b.model])):
-            survivor[b.model] = b
-    coldest_first = sorted(
-        (b for b in branches if b.loaded),
-        key=lambda b: (b.heat, b.last_used, -b.footprint_bytes, -b.rank),
-    )
-    for b in coldest_first:  # rule 1
-        if free.get(b.device, 0) >= 0 or survivor[b.model] is b:
+    for device in sorted({b.device for b in branches if b.loaded}):  # rule 1
+        if free.get(device, 0) >= 0:
             continue
-        unload.append(b.id)
-        loaded_per_model[b.model] -= 1
-        free[b.device] = free.get(b.device, 0) + b.footprint_bytes
-    for b in sorted(survivor.values(), key=lambda b: -b.footprint_bytes):  # rule 1, swaps
-        if free.get(b.device, 0) >= 0:
-            continue
-        room = free.get(b.device, 0) + b.footprint_bytes
-        smaller = sorted(
-            (
-                c
-                for c in branches
-                if c.model == b.model
-                and not c.loaded
-                and c.device == b.device
-                and c.footprint_bytes < b.footprint_bytes
-                and c.footprint_bytes <= room
-            ),
-            key=lambda c: (c.rank, c.footprint_bytes),
-        )
-        if smaller:
-            unload.append(b.id)
-            load.append(smaller[0].id)
-            free[b.device] = room - smaller[0].footprint_bytes
+        here = [b for b in branches if b.device == device]
+        loaded = [b for b in here if b.loaded]
+        room = free.get(device, 0) + sum(b.footprint_bytes for b in loaded)
+        kept: list[ResidentBranch] = []
+        # hot first; among the cold, small first: more branches stay loaded
+        for b in sorted(loaded, key=lambda b: (-b.heat, -b.last_used, b.footprint_bytes)):
+            if b.footprint_bytes <= room:
+                kept.append(b)
+                room -= b.footprint_bytes
+        for model in sorted({b.model for b in loaded} - {b.model for b in kept}):
+            fitting = sorted(
+                (b for b in here if b.model == model and b.footprint_bytes <= room),
+                key=lambda b: (b.rank, b.footprint_bytes),
+            )
+            if fitting:
+                chosen = fitting[0]
+                room -= chosen.footprint_bytes
+                if not chosen.loaded:
+                    load.append(chosen.id)
+                    loaded_per_model[model] += 1
+            else:  # nothing fits: keep the smallest, and say so by failing its requests
+                chosen = min((b for b in loaded if b.model == model), key=_size)
+            kept.append(chosen)
+        for b in loaded:
+            if b not in kept:
+                unload.append(b.id)
+                loaded_per_model[b.model] -= 1
+        free[device] = room
     for model in sorted({b.model for b in branches}):  # rule 2
         if loaded_per_model.get(model, 0):
             continue
