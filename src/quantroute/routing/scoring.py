@@ -432,8 +432,19 @@ def _reference_wait(
 
 def _unavailable_message(rows: Sequence[Row]) -> str:
     counts = [(sum(1 for row in rows if row[0] & bit), name) for bit, name in filters.NAMES]
-    failed = ", ".join(f"{name} {count}" for count, name in counts if count)
+    reasons = {
+        "ready": "not ready",
+        "breaker": "its breaker is open",
+        "quality": "below the quality bound",
+        "memory": "no device memory for it",
+        "deadline": "too slow for the deadline",
+    }
+    why = "; ".join(
+        f"{count} {'branch' if count == 1 else 'branches'} {reasons.get(name, name)}"
+        for count, name in counts
+        if count
+    )
     return (
-        f"no branch can serve this request within its quality requirement now "
-        f"(of {len(rows)} branches, failing: {failed}); retry later or relax the requirement"
+        f"no branch of the model can serve this request now ({why}); "
+        "retry later, or relax the quality or deadline"
     )
