@@ -37,7 +37,7 @@ def fake_table(engines: dict[str, Engine] | None = None, model: str = "tiny-llam
 def demo_model_dir() -> Path:
     from quantroute.config import DEMO_REPO
 
-    return Path(__import__("os").environ.get("QR_DEMO", DEMO_REPO / "tiny-llama"))
+    return DEMO_REPO / "tiny-llama"
 
 
 def demo_repo_copy(root: Path) -> Path:
