@@ -59,10 +59,8 @@ import math
 import os
 import platform
 import random
-import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import textwrap
 import time
@@ -72,6 +70,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from servers import Server, free_port, quantroute_command
 
 log = logging.getLogger("bench_goodput")
 
@@ -172,60 +172,8 @@ class Outcome:
 # -- the server ---------------------------------------------------------------
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@dataclass(slots=True)
-class Server:
-    """``quantroute serve`` in a session of its own, so stopping it stops its workers too."""
-
-    argv: list[str]
-    port: int
-    log_path: Path
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("wb") as out:
-            self.proc = subprocess.Popen(
-                self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(base_url=self.base_url, timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited ({self.proc.returncode}); {self.log_path}")
-                with contextlib.suppress(httpx.TransportError):
-                    if client.get("/readyz").status_code == 200:
-                        return
-                time.sleep(0.25)
-        raise RuntimeError(f"server not ready after {timeout_s:.0f} s; see {self.log_path}")
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(grace_s)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(5.0)
-
-
 def make_server(args: argparse.Namespace, policy: str) -> Server:
-    exe = Path(sys.executable).with_name("quantroute")
-    command = str(exe) if exe.exists() else shutil.which("quantroute") or "quantroute"
+    command = quantroute_command()
     port = free_port()
     argv = [
         command, "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -233,7 +181,7 @@ def make_server(args: argparse.Namespace, policy: str) -> Server:
         "--telemetry-poll-interval-s", str(args.poll_interval_s),
         "--server-log-level", "warning",
     ]  # fmt: skip
-    return Server(argv, port, RESULTS_DIR / "logs" / f"goodput-{policy}.log")
+    return Server(policy, argv, port, "/readyz", RESULTS_DIR / "logs" / f"goodput-{policy}.log")
 
 
 # -- one policy's run ---------------------------------------------------------
@@ -359,7 +307,8 @@ async def run_policy(
     server = make_server(args, policy)
     run = Run(policy)
     try:
-        await asyncio.to_thread(server.start, args.start_timeout_s)
+        server.start()
+        await asyncio.to_thread(server.wait_ready, args.start_timeout_s)
         limits = httpx.Limits(max_connections=args.workers + 4)
         timeout = httpx.Timeout(args.deadline_ms / 1000.0 + 30.0)
         async with httpx.AsyncClient(base_url=server.base_url, limits=limits, timeout=timeout) as c:
