@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -27,25 +28,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+@contextlib.contextmanager
+def _serving(*flags: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``quantroute serve`` on the demo repository and a free port, until it is ready;
+    stopped with SIGTERM after, workers and all."""
     port = _free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "quantroute.cli",
-            "serve",
-            "--repo",
-            str(demo_model_dir().parent),
-            "--port",
-            str(port),
-            "--engine-parallel",
-            "4",
-            "--engine-restart-backoff-s",
-            "0.2",
-        ],
-    )
+    argv = [sys.executable, "-m", "quantroute.cli", "serve", "--repo",
+            str(demo_model_dir().parent), "--port", str(port), *flags]  # fmt: skip
+    proc = subprocess.Popen(argv)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -67,6 +57,20 @@ def server() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive, "workers outlived the server"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    with _serving("--engine-parallel", "4", "--engine-restart-backoff-s", "0.2") as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def long_server() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Two sequences of 4096 tokens each: a cancelled generation would otherwise hold
+    its sequence for seconds (beyond the demo's training context the text is noise)."""
+    with _serving("--engine-parallel", "2", "--engine-n-ctx", "4096") as pair:
+        yield pair
 
 
 @pytest.fixture
@@ -205,25 +209,39 @@ def test_worker_killed_mid_stream(
     assert _worker_pid(proc, "q8_0") != pid
 
 
-def test_client_disconnect_frees_the_sequences(server: tuple[str, subprocess.Popen[bytes]]) -> None:
-    """Four clients fill q8_0's four sequences and hang up after one chunk. Had their
-    generations gone on (~450 tokens each), a fifth request would wait for a slot."""
-    base = server[0]
-    body = {
-        "model": "tiny-llama:q8_0",
-        "prompt": "x",
-        "max_tokens": 480,
-        "stream": True,
-        "ignore_eos": True,
-    }
+LONG = {"model": "tiny-llama:q8_0", "prompt": "x", "max_tokens": 4000, "ignore_eos": True}
+
+
+def _first_token_s(base: str) -> float:
+    t0 = time.perf_counter()
+    body = LONG | {"max_tokens": 2, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: {"))
+    return time.perf_counter() - t0
+
+
+def test_a_stream_client_that_hangs_up_frees_its_sequence(
+    long_server: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    """Two clients fill q8_0's two sequences with 4000-token streams and hang up after
+    one chunk. Had their generations gone on (seconds), a third would wait for a slot."""
+    base = long_server[0]
     with httpx.Client(base_url=base, timeout=30) as http:
-        streams = [http.stream("POST", "/v1/completions", json=body) for _ in range(4)]
-        responses = [s.__enter__() for s in streams]
-        for r in responses:
+        streams = [http.stream("POST", "/v1/completions", json=LONG | {"stream": True})
+                   for _ in range(2)]  # fmt: skip
+        for r in (s.__enter__() for s in streams):
             next(line for line in r.iter_lines() if line.startswith("data: {"))
         for s in streams:
             s.__exit__(None, None, None)
-    t0 = time.perf_counter()
-    with httpx.stream("POST", f"{base}/v1/completions", json=body | {"max_tokens": 2}) as r:
-        next(line for line in r.iter_lines() if line.startswith("data: {"))
-    assert time.perf_counter() - t0 < 0.5
+    assert _first_token_s(base) < 0.5
+
+
+def test_a_non_stream_client_that_hangs_up_frees_its_sequence(
+    long_server: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    base = long_server[0]
+    with httpx.Client(base_url=base, timeout=0.3) as http:
+        for _ in range(2):
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes
+                http.post("/v1/completions", json=LONG)
+    assert _first_token_s(base) < 0.5
