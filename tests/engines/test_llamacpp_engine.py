@@ -27,11 +27,11 @@ from quantroute.errors import ContextLengthExceededError, EngineCrashedError
 pytestmark = pytest.mark.slow
 
 
-async def _engine(branch: str = "q8_0", parallel: int = 4) -> LlamaCppEngine:
+async def _engine(branch: str = "q8_0", parallel: int = 4, n_ctx: int = 0) -> LlamaCppEngine:
     engine = LlamaCppEngine(
         f"tiny-llama:{branch}",
         demo_model_dir() / f"{branch}.gguf",
-        WorkerOptions(parallel=parallel, n_threads=1),
+        WorkerOptions(parallel=parallel, n_threads=1, n_ctx=n_ctx),
         RestartPolicy(backoff_s=0.2, backoff_max_s=1.0),
     )
     await engine.start()
@@ -137,9 +137,10 @@ async def test_concurrent_requests_are_batched_not_queued(engine: LlamaCppEngine
 
 
 async def test_cancel_frees_the_sequence_within_100ms() -> None:
-    engine = await _engine(parallel=1)
+    # 4000 tokens (past the demo's training context: noise, but seconds of decoding)
+    engine = await _engine(parallel=1, n_ctx=4096)
     try:
-        stream = engine.generate(_req(max_tokens=450, ignore_eos=True))
+        stream = engine.generate(_req(max_tokens=4000, ignore_eos=True))
         seen = 0
         async for ev in stream:
             seen += isinstance(ev, TokenEvent)
