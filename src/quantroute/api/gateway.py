@@ -298,9 +298,10 @@ class Gateway:
 
     def _finished(self, run: Run, tokens: list[int]) -> None:
         now = time.monotonic()
-        rate, last = self._heat.get(run.branch.id, (0.0, now))
-        decay = math.exp(-(now - last) / _HEAT_WINDOW_S)
-        self._heat[run.branch.id] = (rate * decay + 1.0 / _HEAT_WINDOW_S, now)
+        self._heat[run.branch.id] = (
+            self._recent_rate(run.branch.id, now) + 1 / _HEAT_WINDOW_S,
+            now,
+        )
         if self.drift is not None:
             first = run.job.requests[0]
             self.drift.offer(
@@ -408,7 +409,7 @@ class Gateway:
             if not isinstance(b.engine, LlamaCppEngine):
                 continue
             placement = self.placements[b.id]
-            rate, last = self._heat.get(b.id, (0.0, 0.0))
+            last = self._heat.get(b.id, (0.0, 0.0))[1]
             residents.append(
                 ResidentBranch(
                     id=b.id,
@@ -417,7 +418,7 @@ class Gateway:
                     footprint_bytes=self.device_bytes(placement.footprint),
                     loaded=b.id in self._loaded and b.id not in self._draining,
                     rank=b.precision.spec.rank,
-                    heat=rate * math.exp(-(now - last) / _HEAT_WINDOW_S) if last else 0.0,
+                    heat=self._recent_rate(b.id, now),
                     last_used=last,
                 )
             )
@@ -504,9 +505,12 @@ class Gateway:
             )
         return tuple(states)
 
-    def _recent_rate(self, branch_id: str) -> float:
+    def _recent_rate(self, branch_id: str, now: float | None = None) -> float:
+        """Requests per second routed to the branch lately (an exponential moving average)."""
         rate, last = self._heat.get(branch_id, (0.0, 0.0))
-        return rate * math.exp(-(time.monotonic() - last) / _HEAT_WINDOW_S) if last else 0.0
+        if not last:
+            return 0.0
+        return rate * math.exp(-((now or time.monotonic()) - last) / _HEAT_WINDOW_S)
 
     # -- admin ----------------------------------------------------------------
 

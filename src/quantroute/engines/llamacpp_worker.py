@@ -178,22 +178,10 @@ class Worker:
     def handle(self, cmd: dict[str, Any] | None) -> None:
         if cmd is None or cmd.get("op") == "shutdown":
             self.running = False
-        elif cmd["op"] == "gen":
+        elif cmd["op"] in ("gen", "score"):
             try:
-                self.admit(cmd)
+                (self.admit if cmd["op"] == "gen" else self.admit_score)(cmd)
             except (KeyError, TypeError, ValueError) as exc:  # a malformed command fails alone
-                self.emit(
-                    {
-                        "ev": "err",
-                        "id": cmd.get("id", ""),
-                        "code": "engine_error",
-                        "msg": f"bad command: {type(exc).__name__}",
-                    }
-                )
-        elif cmd["op"] == "score":
-            try:
-                self.admit_score(cmd)
-            except (KeyError, TypeError, ValueError) as exc:
                 self.emit(
                     {
                         "ev": "err",
@@ -291,6 +279,10 @@ class Worker:
                 "data": base64.b64encode(rows.tobytes()).decode(),
             }
         )
+        self.release(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence is done: forget it, clear its KV cells, free its slot."""
         del self.active[seq.rid]
         lc.llama_memory_seq_rm(self.mem, seq.slot, -1, -1)
         self.free_slots.append(seq.slot)
@@ -328,9 +320,7 @@ class Worker:
                 "t": text,
             }
         )
-        del self.active[seq.rid]
-        lc.llama_memory_seq_rm(self.mem, seq.slot, -1, -1)
-        self.free_slots.append(seq.slot)
+        self.release(seq)
 
     # -- the decode loop ------------------------------------------------------
 
@@ -389,9 +379,7 @@ class Worker:
                         "msg": f"llama_decode returned {rc}",
                     }
                 )
-                del self.active[seq.rid]
-                lc.llama_memory_seq_rm(self.mem, seq.slot, -1, -1)
-                self.free_slots.append(seq.slot)
+                self.release(seq)
             return
         for index, seq in outputs:
             self._advance(seq, index)
