@@ -59,6 +59,7 @@ import math
 import os
 import platform
 import random
+import secrets
 import signal
 import statistics
 import sys
@@ -171,6 +172,8 @@ class Outcome:
 
 # -- the server ---------------------------------------------------------------
 
+ADMIN_KEY = secrets.token_urlsafe(16)  # the pressure endpoint is an admin one
+
 
 def make_server(args: argparse.Namespace, policy: str) -> Server:
     command = quantroute_command()
@@ -179,7 +182,7 @@ def make_server(args: argparse.Namespace, policy: str) -> Server:
         command, "serve", "--host", "127.0.0.1", "--port", str(port),
         "--devices", args.devices, "--telemetry-sim-weight-scale", str(args.weight_scale),
         "--telemetry-poll-interval-s", str(args.poll_interval_s),
-        "--server-log-level", "warning",
+        "--server-log-level", "warning", "--server-admin-key", ADMIN_KEY,
     ]  # fmt: skip
     return Server(policy, argv, port, "/readyz", RESULTS_DIR / "logs" / f"goodput-{policy}.log")
 
@@ -281,7 +284,11 @@ async def pressure_schedule(
     for i, target in enumerate(args.phases_gib):
         await asyncio.sleep(max(0.0, t0 + i * phase_s - time.perf_counter()))
         pressure = max(0, room0 - int(target * GIB))
-        resp = await client.put("/admin/devices/sim:0/pressure", json={"bytes": pressure})
+        resp = await client.put(
+            "/admin/devices/sim:0/pressure",
+            json={"bytes": pressure},
+            headers={"authorization": f"Bearer {ADMIN_KEY}"},
+        )
         resp.raise_for_status()
         await asyncio.sleep(max(0.0, t0 + (i + 1) * phase_s - 0.3 - time.perf_counter()))
         snap = await devices(client)

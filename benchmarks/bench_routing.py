@@ -1,8 +1,8 @@
-"""Routing decision latency: ``choose_branch`` on 4, 16 and 64 branches.
+"""Routing decision latency: ``routing.policy.choose`` on 4, 16 and 64 branches.
 
 Each size is a realistic candidate list: several models x precisions x
-devices, with a mix of feasible and infeasible branches (not ready, breaker
-open, degraded, unprofiled, too little memory, too slow for the deadline) and
+devices, with a mix of feasible and infeasible branches (not ready,
+degraded, unprofiled, too little memory, too slow for the deadline) and
 devices in all three memory regimes. Requests cycle through tiers, explicit
 bounds, deadlines and prompt prefixes, so every path of the policy runs.
 
@@ -36,8 +36,9 @@ from datetime import date
 from typing import Any
 
 from quantroute.errors import ServiceUnavailableError
+from quantroute.routing.policy import choose
+from quantroute.routing.records import BranchState, RequestShape
 from quantroute.routing.requirement import Requirement, parse_requirement
-from quantroute.routing.scoring import BranchState, RequestShape, choose_branch
 from quantroute.routing.settings import GiB, RoutingSettings
 from quantroute.types import Precision
 
@@ -84,8 +85,7 @@ def branch_fields(n: int) -> list[dict[str, Any]]:
                         name=f"{precision.value}@{d}",
                         precision=precision,
                         is_reference=precision is Precision.F16,
-                        ready=bad != 3,
-                        breaker_open=bad == 5,
+                        ready=bad not in (3, 5),
                         degraded=bad == 6 and precision is not Precision.F16,
                         mean_kld=None if bad == 4 and k % 2 else kld,
                         top1=None if bad == 4 and k % 2 else top1,
@@ -96,9 +96,9 @@ def branch_fields(n: int) -> list[dict[str, Any]]:
                         device_free_bytes=free,
                         device_total_bytes=24 * GiB,
                         device_health=health,
-                        in_flight=k % 5,
+                        running=k % 5,
                         parallel=4,
-                        queue_depth=k % 3,
+                        queued=k % 3,
                         recent_rate=float(k % 11),
                         heat=heat,
                     )
@@ -170,7 +170,7 @@ def measure(size: int, iterations: int, warmup: int, settings: RoutingSettings) 
         requirement, shape = requests[state["i"] % cycle]
         state["i"] += 1
         try:
-            return choose_branch(requirement, shape, branches, settings)
+            return choose("m", requirement, shape, branches, settings)
         except ServiceUnavailableError as exc:
             return exc
 
@@ -182,13 +182,13 @@ def measure(size: int, iterations: int, warmup: int, settings: RoutingSettings) 
     feasible = 0
     for requirement, shape in requests:
         try:
-            d = choose_branch(requirement, shape, branches, settings)
+            d = choose("m", requirement, shape, branches, settings)
             feasible += sum(e.feasible for e in d.explanations)
         except ServiceUnavailableError:
             pass
     fields = branch_fields(size)
     build = _time_each(lambda: [BranchState(**f) for f in fields], max(50, iterations // 100))
-    first = choose_branch(requests[0][0], requests[0][1], branches, settings)
+    first = choose("m", requests[0][0], requests[0][1], branches, settings)
     explain = _time_each(lambda: first.explanations, max(50, iterations // 100))
     return Result(
         size=size,

@@ -14,6 +14,9 @@ from quantroute.registry.manifest import BranchArtifact
 from quantroute.routing.table import Branch, ModelRoute, RouteTable
 from quantroute.types import Precision
 
+ADMIN_KEY = "qr-test-admin-key"
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}  # headers of an operator's request
+
 
 def fake_table(engines: dict[str, Engine] | None = None, model: str = "tiny-llama") -> RouteTable:
     """A route table of one model whose branches run the given (fake) engines."""
@@ -60,13 +63,14 @@ async def serving(app: FastAPI) -> AsyncIterator[tuple[httpx.AsyncClient, Gatewa
 
 async def set_headroom(client: httpx.AsyncClient, gateway: Gateway, headroom: int) -> None:
     """Put simulated pressure on sim:0 so that ``headroom`` bytes are free for routing
-    (negative: over budget), then take a fresh reading."""
-    assert gateway.poller is not None and gateway.sim is not None
+    (negative: over budget), then take a fresh reading. The app needs ``ADMIN_KEY``."""
+    sim = gateway.occupancy.sim
+    assert sim is not None
     device = gateway.poller.snapshot.device("sim:0")
     assert device is not None
     margin = device.free_bytes - gateway.margin.balance(device)
-    mine = sum(gateway.sim.attached("sim:0").values())
+    mine = sum(sim.attached("sim:0").values())
     pressure = max(0, device.total_bytes - mine - margin - headroom)
-    r = await client.put("/admin/devices/sim:0/pressure", json={"bytes": pressure})
+    r = await client.put("/admin/devices/sim:0/pressure", json={"bytes": pressure}, headers=ADMIN)
     assert r.status_code == 200
     await gateway.poller.poll_once()

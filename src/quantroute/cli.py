@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from quantroute.config import DEMO_REPO, Settings, load_settings
 from quantroute.errors import QuantrouteError
+from quantroute.types import Precision
 
 log = logging.getLogger("quantroute")
 
@@ -128,6 +129,22 @@ def cmd_devices(args: argparse.Namespace) -> int:
     return 0 if snapshot.devices else 1
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Check the llama.cpp build, the GPU toolchain, the devices and a decode per precision."""
+    import json
+
+    from quantroute.doctor import format_report, report_to_json, run_doctor
+
+    settings = _settings(args)
+    faults = {Precision(p): "sigill" for p in args.fault_precision}
+    report = run_doctor(settings.repo, settings.telemetry, faults=faults, n_threads=args.threads)
+    if args.json:
+        print(json.dumps(report_to_json(report), indent=2))
+    else:
+        print(format_report(report))
+    return 0 if report.ok else 1
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from quantroute.quality import format_table, profile_repo
 
@@ -180,6 +197,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     devices.add_argument("--json", action="store_true", help="print JSON, as GET /v1/devices")
     devices.set_defaults(func=cmd_devices)
+
+    doctor = sub.add_parser(
+        "doctor",
+        help="check that this llama.cpp build runs here",
+        description="Report the llama.cpp build (backends, compiled CPU features, any this CPU "
+        "lacks), the GPU and CUDA toolkit, the devices, and decode one token with a branch of "
+        "every precision in the repository, each in its own process. Exits 1 if any fails.",
+    )
+    doctor.add_argument("--config", type=Path, default=None, help="YAML settings file")
+    doctor.add_argument(
+        "--repo",
+        dest="set:repo",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="model repository (default: the settings' repo, the packaged demo)",
+    )
+    doctor.add_argument(
+        "--devices",
+        dest="set:telemetry.devices",
+        default=None,
+        metavar="SPEC",
+        help="device provider, e.g. auto, cpu, sim:2x24GiB",
+    )
+    doctor.add_argument("--threads", type=int, default=1, help="llama.cpp threads per check")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument(  # tests: make one precision's check die of SIGILL
+        "--fault-precision",
+        action="append",
+        default=[],
+        choices=[p.value for p in Precision],
+        help=argparse.SUPPRESS,
+    )
+    doctor.set_defaults(func=cmd_doctor)
 
     profile = sub.add_parser(
         "profile",

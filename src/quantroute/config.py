@@ -15,7 +15,15 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -40,6 +48,10 @@ class ServerSettings(BaseModel):
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level of the gateway and its workers."
+    )
+    admin_key: SecretStr | None = Field(
+        None,
+        description="Bearer key for /admin/* endpoints; without one they are closed (403).",
     )
 
 
@@ -81,6 +93,34 @@ class EngineSettings(BaseModel):
     cancel_grace_s: float = Field(
         5.0, gt=0, description="Time a worker has to exit on shutdown before it is killed."
     )
+    max_crashes: int = Field(
+        3,
+        ge=1,
+        description="Failures in a row (a signal, a failed load, a death before any request "
+        "finished) after which a branch is marked failed.",
+    )
+    failed_retry_s: float = Field(
+        0.0,
+        ge=0,
+        description="How often a failed branch is tried again; 0 waits for "
+        "POST /admin/branches/{id}/restart.",
+    )
+    n_gpu_layers: int = Field(
+        -1,
+        ge=-1,
+        description="Layers offloaded to a GPU when a branch is placed on one: -1 all (or as "
+        "many as fit), 0 none. Branches on the CPU offload nothing.",
+    )
+    faults: dict[str, Literal["sigill-at-first-decode", "exit-at-load"]] = Field(
+        default_factory=dict,
+        description="Fault injection for tests: branch name (or model:branch, or '*') -> how "
+        "its worker fails, e.g. {'q8_0': 'sigill-at-first-decode'}.",
+    )
+
+    def fault_for(self, model: str, branch: str) -> str:
+        """The fault injected into a branch's worker ('' for none)."""
+        faults = self.faults
+        return faults.get(f"{model}:{branch}") or faults.get(branch) or faults.get("*") or ""
 
 
 MiB = 1 << 20
@@ -412,8 +452,6 @@ class RoutingSettings(_Frozen):
         gt=0,
         description="Retry-After of a 503 when no branch can meet the requirement.",
     )
-    min_priority: int = Field(default=-10, description="Lowest priority a request may ask for.")
-    max_priority: int = Field(default=10, description="Highest priority a request may ask for.")
     residency: bool = Field(
         default=True,
         description="Unload branches when their device runs out of memory and load them back "
@@ -430,10 +468,6 @@ class RoutingSettings(_Frozen):
     def _ordered(self) -> RoutingSettings:
         if self.tight_free_bytes > self.ample_free_bytes:
             raise ValueError("tight_free_bytes must not exceed ample_free_bytes")
-        if self.min_priority > self.max_priority:
-            raise ValueError("min_priority must not exceed max_priority")
-        if not self.min_priority <= 0 <= self.max_priority:
-            raise ValueError("the priority range must include 0, the default")
         return self
 
 

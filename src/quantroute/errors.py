@@ -8,6 +8,8 @@ OpenAI error ``type`` and ``code``, and whether a retry elsewhere may succeed.
     │   ├── ContextLengthExceededError   400   code=context_length_exceeded
     │   └── PayloadTooLargeError         413   code=payload_too_large
     ├── NotFoundError                    404 invalid_request_error (model_not_found)
+    ├── AuthenticationError              401 authentication_error (no or wrong key)
+    ├── PermissionDeniedError            403 permission_error (admin endpoints closed)
     ├── ConfigError                      500 (bad settings, manifest or repository)
     │   └── ManifestError
     │       └── ArtifactIntegrityError        (sha256 mismatch, missing file)
@@ -88,6 +90,18 @@ class NotFoundError(QuantrouteError):
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
+
+
+class AuthenticationError(QuantrouteError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class PermissionDeniedError(QuantrouteError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
 
 
 class ConfigError(QuantrouteError):

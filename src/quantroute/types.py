@@ -71,3 +71,12 @@ class BranchId:
 
     def __str__(self) -> str:
         return f"{self.model}:{self.branch}"
+
+
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """Where an engine runs its model: ``gpu`` is the CUDA device index in NVML's order
+    (``None``: the CPU), ``n_gpu_layers`` how many layers go there (-1: all)."""
+
+    gpu: int | None = None
+    n_gpu_layers: int = 0

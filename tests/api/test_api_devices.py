@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from qrtest import demo_repo_copy, serving
+from qrtest import ADMIN, ADMIN_KEY, demo_repo_copy, serving
 from quantroute.api.app import create_app
 from quantroute.config import load_settings
 
@@ -25,6 +25,7 @@ GiB = 1 << 30
 @pytest.fixture
 async def sim_client(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
     settings = load_settings(
+        server={"admin_key": ADMIN_KEY},
         repo=demo_repo_copy(tmp_path),
         engine={"parallel": 2, "n_threads": 1, "restart_backoff_s": 0.1},
         telemetry={"devices": "sim:2x24GiB", "poll_interval_s": 0.5},
@@ -45,7 +46,9 @@ async def test_branches_are_placed_measured_and_accounted(
     sim_client: tuple[httpx.AsyncClient, Any],
 ) -> None:
     client, gateway = sim_client
-    await _until(lambda: all(p.footprint.measured_bytes for p in gateway.placements.values()))
+    await _until(
+        lambda: all(p.footprint.measured_bytes for p in gateway.occupancy.placements.values())
+    )
     await gateway.poller.poll_once()
     body = (await client.get("/v1/devices")).json()
     assert body["provider"] == "sim" and not body["stale"]
@@ -70,13 +73,15 @@ async def test_pressure_moves_free_memory_and_is_sim_only(
     sim_client: tuple[httpx.AsyncClient, Any],
 ) -> None:
     client, gateway = sim_client
-    r = await client.put("/admin/devices/sim:1/pressure", json={"bytes": 20 * GiB})
+    r = await client.put("/admin/devices/sim:1/pressure", json={"bytes": 20 * GiB}, headers=ADMIN)
     assert r.status_code == 200
     await gateway.poller.poll_once()
     device = next(d for d in (await client.get("/v1/devices")).json()["data"] if d["id"] == "sim:1")
     assert device["memory"]["free_bytes"] < 4 * GiB
-    assert (await client.put("/admin/devices/sim:9/pressure", json={"bytes": 1})).status_code == 404
-    bad = await client.put("/admin/devices/sim:1/pressure", json={"bytes": -1})
+    assert (
+        await client.put("/admin/devices/sim:9/pressure", json={"bytes": 1}, headers=ADMIN)
+    ).status_code == 404
+    bad = await client.put("/admin/devices/sim:1/pressure", json={"bytes": -1}, headers=ADMIN)
     assert bad.status_code == 400
 
 
@@ -84,16 +89,20 @@ async def test_a_dead_worker_leaves_its_device_and_lowers_its_health(
     sim_client: tuple[httpx.AsyncClient, Any],
 ) -> None:
     _client, gateway = sim_client
-    await _until(lambda: all(p.footprint.measured_bytes for p in gateway.placements.values()))
-    placement = gateway.placements["tiny-llama:q8_0"]
+    await _until(
+        lambda: all(p.footprint.measured_bytes for p in gateway.occupancy.placements.values())
+    )
+    placement = gateway.occupancy.placements["tiny-llama:q8_0"]
     engine = gateway.routes.current.models["tiny-llama"].branch("q8_0").engine
-    before = gateway.sim.attached(placement.device)
+    before = gateway.occupancy.sim.attached(placement.device)
     assert "tiny-llama:q8_0" in before
     os.kill(engine.pid, signal.SIGKILL)
-    await _until(lambda: "tiny-llama:q8_0" not in gateway.sim.attached(placement.device))
+    await _until(lambda: "tiny-llama:q8_0" not in gateway.occupancy.sim.attached(placement.device))
     assert gateway.health.factor(placement.device) < 1.0
     await _until(
-        lambda: engine.ready and "tiny-llama:q8_0" in gateway.sim.attached(placement.device)
+        lambda: (
+            engine.ready and "tiny-llama:q8_0" in gateway.occupancy.sim.attached(placement.device)
+        )
     )
 
 
@@ -121,6 +130,7 @@ async def test_workers_are_pinned_to_their_configured_cores(tmp_path: Path) -> N
     cores = sorted(os.sched_getaffinity(0))
     plan = [[cores[0]], [cores[-1]], [cores[0]]]
     settings = load_settings(
+        server={"admin_key": ADMIN_KEY},
         repo=repo,
         engine={"parallel": 1},
         telemetry={"devices": "cpu", "cpu_affinity": plan},
@@ -135,7 +145,7 @@ async def test_workers_are_pinned_to_their_configured_cores(tmp_path: Path) -> N
 
 async def test_device_gauges_are_exported(sim_client: tuple[httpx.AsyncClient, Any]) -> None:
     client, gateway = sim_client
-    await client.put("/admin/devices/sim:1/pressure", json={"bytes": 20 * GiB})
+    await client.put("/admin/devices/sim:1/pressure", json={"bytes": 20 * GiB}, headers=ADMIN)
     await gateway.poller.poll_once()
     r = await client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")

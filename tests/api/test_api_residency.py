@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from qrtest import demo_repo_copy, serving, set_headroom
+from qrtest import ADMIN_KEY, demo_repo_copy, serving, set_headroom
 from quantroute.api.app import create_app
 from quantroute.config import load_settings
 from quantroute.engines.base import FinishEvent, GenerationRequest, SamplingParams, StartEvent
@@ -23,6 +23,7 @@ MiB = 1 << 20
 @pytest.fixture
 async def client(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
     settings = load_settings(
+        server={"admin_key": ADMIN_KEY},
         repo=demo_repo_copy(tmp_path),
         engine={"parallel": 2, "n_threads": 1},
         # weights x 100, so the precisions differ in size beyond the noise of measured RSS
@@ -50,14 +51,16 @@ async def test_branches_leave_under_pressure_and_return(
     engines = {b.name: b.engine for b in gateway.routes.current.branches()}
     for _ in range(3):  # q4_k_m is the one in use: it is the last to go
         assert await _branch(http, model="tiny-llama:q4_k_m") == "q4_k_m"
-    f16_bytes = gateway.device_bytes(gateway.placements["tiny-llama:f16"].footprint)
+    f16_bytes = gateway.occupancy.device_bytes(
+        gateway.occupancy.placements["tiny-llama:f16"].footprint
+    )
     await set_headroom(http, gateway, -MiB)  # 1 MiB over budget: one cold branch must go
-    plan = await gateway.apply_residency()
+    plan = await gateway.residency.apply()
     assert plan.unload == ("tiny-llama:f16",) and not engines["f16"].ready
-    assert "tiny-llama:f16" not in gateway.sim.attached("sim:0")
+    assert "tiny-llama:f16" not in gateway.occupancy.sim.attached("sim:0")
     assert await _branch(http) != "f16"
     await set_headroom(http, gateway, -512 * MiB)  # deep pressure: all but one go
-    plan = await gateway.apply_residency()
+    plan = await gateway.residency.apply()
     assert plan.unload == ("tiny-llama:q8_0",)
     assert [n for n, e in engines.items() if e.ready] == ["q4_k_m"]
     # The model keeps its last branch, but a device over budget cannot take a request:
@@ -67,15 +70,14 @@ async def test_branches_leave_under_pressure_and_return(
     r = await http.post("/v1/completions", json={"model": "tiny-llama:q4_k_m", "prompt": "x"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "device_out_of_memory"
     await set_headroom(http, gateway, 8 * MiB)  # within budget again, no room for more
-    assert not await gateway.apply_residency()
+    assert not await gateway.residency.apply()
     assert await _branch(http) == "q4_k_m"
     # Room again (f16's footprint + the reload margin): the most faithful comes back first.
     await set_headroom(http, gateway, f16_bytes + 32 * MiB)
-    plan = await gateway.apply_residency()
+    plan = await gateway.residency.apply()
     assert plan.load == ("tiny-llama:f16",) and engines["f16"].ready
-    await gateway._until_warm(gateway.routes.current.branches(), timeout_s=30)
     assert await _branch(http, quality="exact") == "f16"  # routable again (warm)
-    assert "tiny-llama:f16" in gateway.sim.attached("sim:0")
+    assert "tiny-llama:f16" in gateway.occupancy.sim.attached("sim:0")
 
 
 async def test_a_busy_branch_drains_before_it_is_unloaded(
@@ -91,18 +93,19 @@ async def test_a_busy_branch_drains_before_it_is_unloaded(
     stream = engine.generate(request)
     assert isinstance(await anext(stream), StartEvent)
     await set_headroom(http, gateway, -MiB)
-    plan = await gateway.apply_residency()
+    plan = await gateway.residency.apply()
     assert plan.unload == ("tiny-llama:f16",)
     assert engine.ready and engine.in_flight == 1  # draining, not cut
-    assert not gateway.routable(gateway.routes.current.models["tiny-llama"].branch("f16"))
+    assert not gateway.residency.routable(gateway.routes.current.models["tiny-llama"].branch("f16"))
     events = [e async for e in stream]
     assert isinstance(events[-1], FinishEvent) and events[-1].completion_tokens == 400
-    await gateway.apply_residency()
+    await gateway.residency.apply()
     assert not engine.ready
 
 
 async def test_scaled_weights_and_out_of_memory_until_residency_acts(tmp_path: Path) -> None:
     settings = load_settings(
+        server={"admin_key": ADMIN_KEY},
         repo=demo_repo_copy(tmp_path),
         engine={"parallel": 2, "n_threads": 1},
         telemetry={"devices": "sim:1x24GiB", "sim_weight_scale": 2000},
@@ -121,7 +124,7 @@ async def test_scaled_weights_and_out_of_memory_until_residency_acts(tmp_path: P
             "/v1/completions", json={"model": "tiny-llama:q8_0", "prompt": "x", "max_tokens": 2}
         )
         assert r.status_code == 503 and r.json()["error"]["code"] == "device_out_of_memory"
-        plan = await gateway.apply_residency()
+        plan = await gateway.residency.apply()
         assert plan.unload == ("tiny-llama:f16",)  # the coldest and largest goes
         await gateway.poller.poll_once()
         r = await http.post(

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from qrtest import demo_repo_copy, serving, set_headroom
+from qrtest import ADMIN_KEY, demo_repo_copy, serving, set_headroom
 from quantroute.api.app import create_app
 from quantroute.config import load_settings
 
@@ -21,6 +21,7 @@ GiB = 1 << 30
 @pytest.fixture
 async def client(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
     settings = load_settings(
+        server={"admin_key": ADMIN_KEY},
         repo=demo_repo_copy(tmp_path),
         engine={"parallel": 2, "n_threads": 1},
         telemetry={"devices": "sim:1x24GiB", "poll_interval_s": 0.5},

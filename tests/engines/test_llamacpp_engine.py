@@ -178,16 +178,25 @@ async def test_worker_killed_mid_stream_fails_cleanly_and_restarts(engine: Llama
     assert fin.completion_tokens == 4
 
 
-async def test_a_broken_model_file_never_raises_and_keeps_retrying(tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_a_broken_model_file_never_raises_and_fails_its_branch(tmp_path) -> None:  # type: ignore[no-untyped-def]
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     engine = LlamaCppEngine(
-        "x:bad", bad, WorkerOptions(), RestartPolicy(backoff_s=0.05, backoff_max_s=0.1)
+        "x:bad",
+        bad,
+        WorkerOptions(),
+        RestartPolicy(backoff_s=0.05, backoff_max_s=0.1, max_crashes=3),
     )
-    await engine.start()
+    await engine.start()  # returns: a bad file is the branch's failure, not the caller's
     assert not engine.ready
-    await asyncio.sleep(1.0)
-    assert engine.restarts >= 2
+    for _ in range(100):
+        if engine.failure:
+            break
+        await asyncio.sleep(0.1)
+    assert engine.failure is not None and "3 times in a row" in engine.failure
+    assert engine.restarts == 2  # three tries, then it stays down
+    await asyncio.sleep(0.3)
+    assert engine.restarts == 2
     await engine.stop()
 
 

@@ -105,7 +105,9 @@ async def test_damaged_branch_is_flagged_and_healthy_one_is_not(
     assert damaged["degraded"]
     assert damaged["last_window"]["mean_kld"] > 0.05 + 0.0103  # above its profile + δ
     # The verdict reaches routing: the service's policy sees the branch as degraded.
-    assert gateway._degraded("tiny-llama:q4_k_m") and not gateway._degraded("tiny-llama:q8_0")
+    assert gateway.drift.degraded("tiny-llama:q4_k_m") and not gateway.drift.degraded(
+        "tiny-llama:q8_0"
+    )
 
 
 async def test_drift_verdict_is_a_prometheus_metric(

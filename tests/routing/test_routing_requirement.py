@@ -1,4 +1,4 @@
-"""Requirement parsing: tiers, bounds, headers, deadlines, priority; 400s that never echo."""
+"""Requirement parsing: tiers, bounds, headers, deadlines; 400s that never echo."""
 
 from __future__ import annotations
 
@@ -27,10 +27,9 @@ def parse(
     header: str | None = None,
     deadline: str | None = None,
     timeout: object = None,
-    priority: object = None,
     settings: RoutingSettings = S,
 ) -> Requirement:
-    return parse_requirement(body, header, deadline, timeout, priority, settings)
+    return parse_requirement(body, header, deadline, timeout, settings)
 
 
 # ---- quality: what parses ---------------------------------------------------------------------
@@ -66,7 +65,7 @@ def test_quality_parses(
 ) -> None:
     r = parse(body, header)
     assert (r.tier, r.max_kld, r.min_top1, r.explicit) == expected
-    assert r.deadline_ms is None and r.priority == 0
+    assert r.deadline_ms is None
 
 
 def test_tier_bounds_and_default_tier_come_from_settings() -> None:
@@ -196,21 +195,6 @@ def test_bad_deadline_is_400(header: str | None, timeout: object, param: str) ->
         assert echoed not in info.value.message
 
 
-# ---- priority ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("value", "expected"), [(None, 0), (0, 0), (5, 5), (-10, -10), (10, 10)])
-def test_priority(value: object, expected: int) -> None:
-    assert parse(priority=value).priority == expected
-
-
-@pytest.mark.parametrize("value", [11, -11, True, 1.0, "1", [1]])
-def test_bad_priority_is_400(value: object) -> None:
-    with pytest.raises(InvalidRequestError) as info:
-        parse(priority=value)
-    assert info.value.param == "priority"
-
-
 # ---- settings ---------------------------------------------------------------------------------
 
 
@@ -218,8 +202,6 @@ def test_bad_priority_is_400(value: object) -> None:
     "overrides",
     [
         {"tight_free_bytes": 9 << 30},  # above ample
-        {"min_priority": 1},  # range must include the default 0
-        {"min_priority": 5, "max_priority": 1},
         {"default_tier": "ultra"},
         {"constrained_cost_ratio": 0},
         {"fit_decay": 1.5},
@@ -258,7 +240,9 @@ def test_settings_defaults_frozen_and_described() -> None:
     assert all(info.description for info in fields(RoutingSettings))
 
 
-@pytest.mark.parametrize("name", ["requirement", "settings", "affinity", "score", "scoring"])
+@pytest.mark.parametrize(
+    "name", ["requirement", "settings", "affinity", "score", "policy", "states", "table"]
+)
 def test_doctests(name: str) -> None:
     module = importlib.import_module(f"quantroute.routing.{name}")
     failures, _ = doctest.testmod(module, verbose=False)

@@ -7,7 +7,7 @@ from quantroute.routing.residency import ResidencyPlan, ResidentBranch, plan_res
 GiB = 1 << 30
 
 
-def _branches(loaded: str = "f16 q8 q4", **heat: float) -> list[ResidentBranch]:
+def _branches(loaded: str = "f16 q8 q4", **recent_rate: float) -> list[ResidentBranch]:
     sizes = {"f16": 14 * GiB, "q8": 8 * GiB, "q4": 5 * GiB}
     return [
         ResidentBranch(
@@ -17,21 +17,21 @@ def _branches(loaded: str = "f16 q8 q4", **heat: float) -> list[ResidentBranch]:
             size,
             n in loaded.split(),
             rank,
-            heat=heat.get(n, 0.0),
-            last_used=heat.get(n, 0.0),
+            recent_rate=recent_rate.get(n, 0.0),
+            last_used=recent_rate.get(n, 0.0),
         )
         for rank, (n, size) in enumerate(sizes.items())
     ]
 
 
 @pytest.mark.parametrize(
-    ("loaded", "headroom", "heat", "plan"),
+    ("loaded", "headroom", "recent_rate", "plan"),
     [
         # enough room: nothing moves
         ("f16 q8 q4", 2 * GiB, {}, ResidencyPlan()),
         # over budget by 1 GiB: the coldest goes; among equals, the most expensive
         ("f16 q8 q4", -1 * GiB, {}, ResidencyPlan(unload=("m:f16",))),
-        # ...but heat protects the branches in use: here the cold q4 goes
+        # ...but recent_rate protects the branches in use: here the cold q4 goes
         ("f16 q8 q4", -1 * GiB, {"f16": 5.0, "q8": 1.0}, ResidencyPlan(unload=("m:q4",))),
         # hot branches are kept while they fit (18 GiB for the model: f16 alone)
         ("f16 q8 q4", -9 * GiB, {"f16": 5.0, "q8": 1.0}, ResidencyPlan(unload=("m:q8", "m:q4"))),
@@ -56,9 +56,11 @@ def _branches(loaded: str = "f16 q8 q4", **heat: float) -> list[ResidentBranch]:
         ("q4", 8 * GiB, {}, ResidencyPlan()),
     ],
 )
-def test_plan(loaded: str, headroom: int, heat: dict[str, float], plan: ResidencyPlan) -> None:
+def test_plan(
+    loaded: str, headroom: int, recent_rate: dict[str, float], plan: ResidencyPlan
+) -> None:
     got = plan_residency(
-        _branches(loaded, **heat), {"sim:0": headroom}, reload_margin_bytes=GiB // 2
+        _branches(loaded, **recent_rate), {"sim:0": headroom}, reload_margin_bytes=GiB // 2
     )
     assert got == plan
 

@@ -39,8 +39,7 @@ def create_app(
 
     app = FastAPI(title="quantroute", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
-    app.state.gateway = gateway
-    app.state.routes = gateway.routes
+    app.state.gateway = gateway  # for tests and the lifespan; routes use the service only
     app.state.service = gateway.service
     app.include_router(router)
     install_error_handlers(app)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from quantroute.api.service import Run
+from quantroute.api.jobs import Run
 from quantroute.engines.base import FinishEvent, TokenEvent
 
 

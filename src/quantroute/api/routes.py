@@ -7,29 +7,26 @@ import contextlib
 import json
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from quantroute.api.gateway import Gateway
+from quantroute.api.auth import require_admin
+from quantroute.api.jobs import Run, Tick
 from quantroute.api.render import ResponseRenderer
 from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
-from quantroute.api.service import CompletionService, Run, Tick
+from quantroute.api.service import Service
 from quantroute.api.sse import sse_events
-from quantroute.api.views import MetricsView, devices_json
 from quantroute.engines.base import StartEvent
 from quantroute.errors import InvalidRequestError
-from quantroute.observability import render_metrics
-from quantroute.quality.profile import BranchProfile
-from quantroute.routing.table import RouteTableRef
 
 router = APIRouter()
 
 
-def _service(request: Request) -> CompletionService:
-    service: CompletionService = request.app.state.service
+def _service(request: Request) -> Service:
+    service: Service = request.app.state.service
     return service
 
 
@@ -113,97 +110,13 @@ async def route_explain(request: Request) -> dict[str, Any]:
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    routes: RouteTableRef = request.app.state.routes
-    gateway: Gateway = request.app.state.gateway
-    data: list[dict[str, Any]] = []
-    for route in routes.current.models.values():
-        branches = [
-            {
-                "id": b.id,
-                "branch": b.name,
-                "precision": b.precision.value,
-                "engine": b.artifact.engine,
-                "reference": b.name == route.reference,
-                "ready": b.engine.ready,
-                "sha256": b.artifact.sha256,
-                "size_bytes": b.artifact.size_bytes,
-                "n_ctx": b.engine.info.n_ctx if b.engine.info else None,
-                "profile": _profile_json(b.profile),
-                "drift": _drift_json(gateway, b.id),
-            }
-            for b in route.branches
-        ]
-        data.append(
-            {
-                "id": route.name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "quantroute",
-                "reference": route.reference,
-                "branches": branches,
-                "profile_warnings": list(route.profile_warnings),
-            }
-        )
-        data += [
-            {
-                "id": b["id"],
-                "object": "model",
-                "created": 0,
-                "owned_by": "quantroute",
-                "parent": route.name,
-            }
-            for b in branches
-        ]
-    return {"object": "list", "data": data}
-
-
-def _drift_json(gateway: Gateway, branch_id: str) -> dict[str, Any] | None:
-    if gateway.drift is None:
-        return None
-    state = gateway.drift.state(branch_id)
-    last = state.last
-    return {
-        "degraded": state.degraded,
-        "windows": state.windows,
-        "replays": state.replays,
-        "dropped": state.dropped,
-        "last_window": None
-        if last is None
-        else {
-            "mean_kld": last.mean_kld,
-            "top1": last.top1,
-            "tokens": last.n_tokens,
-            "in_bounds": last.in_bounds,
-        },
-    }
-
-
-def _profile_json(profile: BranchProfile | None) -> dict[str, Any] | None:
-    if profile is None:
-        return None
-    q = profile.quality
-    return {
-        "mean_kld": q.mean_kld,
-        "kld_stderr": q.kld_stderr,
-        "kld_p99": q.kld_p99,
-        "top1": q.top1,
-        "top1_sigma": q.top1_sigma,
-        "ppl": q.ppl_q,
-        "ln_ppl_ratio": q.ln_ppl_ratio,
-        "rms_dp": q.rms_dp,
-        "n_tokens": q.n_tokens,
-        "decode_tps": profile.decode_tps,
-        "prefill_tps": profile.prefill_tps,
-        "rss_bytes": profile.rss_bytes,
-        "measured_at": profile.measured_at.isoformat(),
-    }
+    return _service(request).models()
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     """Prometheus metrics of branches and devices (text exposition format)."""
-    gateway: Gateway = request.app.state.gateway
-    return Response(render_metrics(MetricsView(gateway)), media_type=CONTENT_TYPE_LATEST)
+    return Response(_service(request).metrics(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/healthz")
@@ -213,22 +126,14 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
-    routes: RouteTableRef = request.app.state.routes
-    models = {
-        name: [b.name for b in route.branches if b.engine.ready]
-        for name, route in routes.current.models.items()
-    }
-    ready = bool(models) and all(models.values())
-    return JSONResponse(
-        {"status": "ready" if ready else "not ready", "ready_branches": models},
-        status_code=200 if ready else 503,
-    )
+    """200 when every model has a branch that takes traffic; the body names failed ones."""
+    ready, body = _service(request).readiness()
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 @router.get("/v1/devices")
 async def devices(request: Request) -> dict[str, Any]:
-    gateway: Gateway = request.app.state.gateway
-    return devices_json(gateway)
+    return _service(request).devices()
 
 
 class PressureBody(BaseModel):
@@ -236,9 +141,14 @@ class PressureBody(BaseModel):
     bytes: int = Field(ge=0, le=1 << 50)
 
 
-@router.put("/admin/devices/{device_id}/pressure")
+@router.put("/admin/devices/{device_id}/pressure", dependencies=[Depends(require_admin)])
 async def set_pressure(request: Request, device_id: str, body: PressureBody) -> dict[str, Any]:
     """Simulated devices only: occupy ``bytes`` of a device, as another tenant would."""
-    gateway: Gateway = request.app.state.gateway
-    gateway.set_pressure(device_id, body.bytes)
+    _service(request).set_pressure(device_id, body.bytes)
     return {"device": device_id, "pressure_bytes": body.bytes}
+
+
+@router.post("/admin/branches/{branch_id}/restart", dependencies=[Depends(require_admin)])
+async def restart_branch(request: Request, branch_id: str) -> dict[str, Any]:
+    """Restart a branch's engine (clears a failure): after fixing what failed it."""
+    return await _service(request).restart(branch_id)

@@ -44,7 +44,6 @@ class _GenerationBase(BaseModel):
     # Routing extensions, checked by routing.requirement.parse_requirement:
     quality: Any = Field(None, description="a tier name or {max_kld, min_top1}")
     timeout: Any = Field(None, description="deadline in seconds")
-    priority: Any = Field(None, description="admission priority")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
 

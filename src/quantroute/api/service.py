@@ -1,199 +1,88 @@
-"""The one service object routes call: request → decision → engine run.
+"""The one service object the HTTP routes call: request → decision → engine run, and the
+read-only views and operator actions around it.
 
 ``prepare`` turns a validated request into a :class:`Job` (prompts, sampling,
 the routing decision); ``start`` runs it on the first branch that accepts
 it, falling back to the next branch of the decision when one fails before
 its first token; the returned :class:`Run` yields ``(choice index, event)``.
+``explain``, ``models``, ``devices``, ``readiness`` and ``metrics`` report;
+``set_pressure`` and ``restart`` act (admin).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
+from quantroute.api import views
+from quantroute.api.jobs import Job, Kind, Run, close_all
 from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest, check_limits
-from quantroute.config import Settings
-from quantroute.engines.base import (
-    EngineEvent,
-    FinishEvent,
-    GenerationRequest,
-    SamplingParams,
-    StartEvent,
-    TokenEvent,
-)
+from quantroute.engines.base import EngineEvent, GenerationRequest, SamplingParams, StartEvent
 from quantroute.engines.chat_template import render_chat
 from quantroute.errors import (
     ContextLengthExceededError,
+    DeviceOutOfMemoryError,
     EngineError,
+    InvalidRequestError,
+    NotFoundError,
     QuantrouteError,
     ServiceUnavailableError,
 )
-from quantroute.routing.policy import Decision, choose, parse_model_ref
+from quantroute.routing.policy import Decision, choose, explain, pinned
+from quantroute.routing.records import RequestShape
 from quantroute.routing.requirement import (
     DEADLINE_HEADER,
     QUALITY_HEADER,
     Requirement,
     parse_requirement,
 )
-from quantroute.routing.scoring import (
-    BranchState,
-    RequestShape,
-    RouteDecision,
-    choose_branch,
-    explain,
-)
-from quantroute.routing.table import Branch, RouteTableRef
+from quantroute.routing.table import Branch, ModelRoute, lookup
+
+if TYPE_CHECKING:
+    from quantroute.api.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
-Kind = Literal["chat", "completion"]
+Request = ChatCompletionRequest | CompletionRequest
 _SEED_MASK = 2**64 - 1
 _AFFINITY_PREFIX_CHARS = 256
 _WAIT_POLL_S = 0.05
 
 
-@dataclass(frozen=True, slots=True)
-class Job:
-    id: str
-    kind: Kind
-    decision: Decision
-    requests: tuple[GenerationRequest, ...]  # one per choice index
-    n: int  # choices per prompt: request i answers prompt i // n
-    stream: bool
-    include_usage: bool
-    logprobs: bool
+class Service:
+    """What the routes may ask of the gateway; it never hands out the gateway's parts."""
 
+    def __init__(self, gateway: Gateway):
+        self._gateway = gateway
+        self._settings = gateway.settings
 
-@dataclass(frozen=True, slots=True)
-class Tick:
-    """Nothing happened for a keep-alive interval."""
+    # -- routing ----------------------------------------------------------------
 
-
-class Run:
-    """A job started on one branch: merged events of its choices."""
-
-    def __init__(
-        self,
-        job: Job,
-        branch: Branch,
-        streams: list[AsyncIterator[EngineEvent]],
-        prompt_tokens: list[int],
-        on_finished: Callable[[Run, list[int]], None] | None = None,
-    ):
-        self.job = job
-        self.branch = branch
-        self.prompt_tokens = prompt_tokens
-        self._streams = streams
-        self._on_finished = on_finished
-        self._queue: asyncio.Queue[tuple[int, EngineEvent] | BaseException | None] = asyncio.Queue()
-        self._pumps: list[asyncio.Task[None]] = []
-
-    async def events(
-        self, keepalive_s: float | None = None
-    ) -> AsyncIterator[tuple[int, EngineEvent] | Tick]:
-        """Every choice's events, interleaved as they come; ``Tick`` when idle."""
-        self._pumps = [
-            asyncio.create_task(self._pump(i, s), name=f"pump:{self.job.id}:{i}")
-            for i, s in enumerate(self._streams)
-        ]
-        remaining = len(self._pumps)
-        try:
-            while remaining:
-                if not self._queue.empty():
-                    item = self._queue.get_nowait()  # the common case: no timer, no task
-                else:
-                    try:
-                        item = await asyncio.wait_for(self._queue.get(), keepalive_s)
-                    except TimeoutError:
-                        yield Tick()
-                        continue
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            await self.close()
-
-    async def _pump(self, index: int, stream: AsyncIterator[EngineEvent]) -> None:
-        tokens: list[int] = []  # of choice 0, for the drift monitor
-        try:
-            async for event in stream:
-                self._queue.put_nowait((index, event))
-                if index == 0 and isinstance(event, TokenEvent):
-                    tokens.append(event.token_id)
-                elif index == 0 and isinstance(event, FinishEvent) and self._on_finished:
-                    self._on_finished(self, tokens)
-        except Exception as exc:
-            self._queue.put_nowait(exc)
-        finally:
-            self._queue.put_nowait(None)
-
-    async def close(self) -> None:
-        for task in self._pumps:
-            task.cancel()
-        for task in self._pumps:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for stream in self._streams:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-
-class CompletionService:
-    def __init__(
-        self,
-        routes: RouteTableRef,
-        settings: Settings,
-        *,
-        degraded: Callable[[str], bool] = lambda branch_id: False,
-        on_finished: Callable[[Run, list[int]], None] | None = None,
-        states: Callable[[str], Sequence[BranchState]] | None = None,
-        admit: Callable[[Branch], None] = lambda branch: None,
-    ):
-        self._routes = routes
-        self._settings = settings
-        self._degraded = degraded
-        self._on_finished = on_finished
-        self._states = states  # None: route by precision only (tables of fake engines)
-        self._admit = admit  # may raise an EngineError: the branch cannot take it now
-
-    def route(
-        self, req: ChatCompletionRequest | CompletionRequest, headers: Mapping[str, str]
-    ) -> tuple[Decision, RouteDecision | None]:
+    def route(self, req: Request, headers: Mapping[str, str]) -> tuple[Decision, ModelRoute]:
         """Which branches answer ``req``, in order. A pinned branch answers alone; a
         model name goes through the routing policy (requirement, filters, score)."""
-        name, pinned = parse_model_ref(req.model)
-        table = self._routes.current
-        if pinned is not None or self._states is None or name not in table.models:
-            return choose(table, req.model, degraded=self._degraded), None
-        requirement, shape, states = self._routing_inputs(name, req, headers)
-        routed = choose_branch(requirement, shape, states, self._settings.routing)
-        route = table.models[name]
-        branches = tuple(b for i in routed.branch_ids for b in route.branches if b.id == i)
-        return Decision(name, branches, routed.reason, False), routed
+        route, branch = lookup(self._gateway.routes.current, req.model)
+        if branch is not None:
+            ready = self._gateway.residency.routable(branch)
+            retry_s = self._settings.routing.retry_after_s
+            return pinned(route.name, branch.id, ready=ready, retry_after_s=retry_s), route
+        requirement, shape = self._routing_inputs(req, headers)
+        states = self._gateway.states.read(route.name)
+        return choose(route.name, requirement, shape, states, self._settings.routing), route
 
     def _routing_inputs(
-        self,
-        name: str,
-        req: ChatCompletionRequest | CompletionRequest,
-        headers: Mapping[str, str],
-    ) -> tuple[Requirement, RequestShape, Sequence[BranchState]]:
-        assert self._states is not None
+        self, req: Request, headers: Mapping[str, str]
+    ) -> tuple[Requirement, RequestShape]:
         requirement = parse_requirement(
             req.quality,
             headers.get(QUALITY_HEADER),
             headers.get(DEADLINE_HEADER),
             req.timeout,
-            req.priority,
             self._settings.routing,
         )
         text = _prompt_text(req)
@@ -204,40 +93,39 @@ class CompletionService:
             max_tokens=limit or self._settings.limits.max_tokens,
             prefix=text[:_AFFINITY_PREFIX_CHARS],
         )
-        return requirement, shape, self._states(name)
+        return requirement, shape
 
-    def explain(
-        self, req: ChatCompletionRequest | CompletionRequest, headers: Mapping[str, str]
-    ) -> dict[str, Any]:
+    def explain(self, req: Request, headers: Mapping[str, str]) -> dict[str, Any]:
         """The decision for ``req`` without running it: per branch, each filter and the score."""
         check_limits(req, self._settings.limits)
-        name, pinned = parse_model_ref(req.model)
-        body: dict[str, Any] = {"model": name}
-        if pinned is not None or self._states is None or name not in self._routes.current.models:
-            decision = choose(self._routes.current, req.model, degraded=self._degraded)
+        route, branch = lookup(self._gateway.routes.current, req.model)
+        body: dict[str, Any] = {"model": route.name}
+        if branch is not None:
+            ready = self._gateway.residency.routable(branch)
             body["decision"] = {
-                "branches": [b.id for b in decision.branches],
-                "reason": decision.reason,
+                "branches": [branch.id] if ready else [],
+                "reason": "pinned" if ready else "pinned:not-ready",
                 "wait_s": None,
             }
             body["branches"] = []
             return body
-        requirement, shape, states = self._routing_inputs(name, req, headers)
+        requirement, shape = self._routing_inputs(req, headers)
+        states = self._gateway.states.read(route.name)
         body["requirement"] = {
             "tier": requirement.tier,
             "max_kld": requirement.max_kld,
             "min_top1": requirement.min_top1,
             "deadline_ms": requirement.deadline_ms,
-            "priority": requirement.priority,
             "explicit": requirement.explicit,
         }
         body["request"] = {"prompt_tokens_max": shape.prompt_tokens, "max_tokens": shape.max_tokens}
+        settings = self._settings.routing
         try:
-            routed = choose_branch(requirement, shape, states, self._settings.routing)
+            decision = choose(route.name, requirement, shape, states, settings)
             body["decision"] = {
-                "branches": list(routed.branch_ids),
-                "reason": routed.reason,
-                "wait_s": routed.wait_s,
+                "branches": list(decision.branch_ids),
+                "reason": decision.reason,
+                "wait_s": decision.wait_s,
             }
         except QuantrouteError as exc:
             body["decision"] = {
@@ -245,28 +133,27 @@ class CompletionService:
                 "reason": "infeasible",
                 "error": exc.to_openai()["error"],
             }
-        body["branches"] = [
-            e.to_dict() for e in explain(requirement, shape, states, self._settings.routing)
-        ]
+        body["branches"] = [e.to_dict() for e in explain(requirement, shape, states, settings)]
         return body
 
     async def decide(
-        self, req: ChatCompletionRequest | CompletionRequest, headers: Mapping[str, str]
-    ) -> Decision:
+        self, req: Request, headers: Mapping[str, str]
+    ) -> tuple[Decision, tuple[Branch, ...]]:
         """``route``, waiting where the tier says to wait (``exact``: for the reference)."""
-        decision, routed = self.route(req, headers)
-        if routed is None or routed.wait_s is None:
-            return decision
-        deadline = time.monotonic() + routed.wait_s
-        while time.monotonic() < deadline:
-            await asyncio.sleep(_WAIT_POLL_S)
-            decision, _ = self.route(req, headers)
-            if decision.branches:
-                return decision
-        raise ServiceUnavailableError(
-            f"no branch of {decision.model} met the request's quality bound in time",
-            retry_after_s=self._settings.routing.retry_after_s,
-        )
+        decision, route = self.route(req, headers)
+        if decision.wait_s is not None:
+            deadline = time.monotonic() + decision.wait_s
+            while not decision.branch_ids:
+                if time.monotonic() >= deadline:
+                    raise ServiceUnavailableError(
+                        f"no branch of {decision.model} met the request's quality bound in time",
+                        retry_after_s=self._settings.routing.retry_after_s,
+                    )
+                await asyncio.sleep(_WAIT_POLL_S)
+                decision, route = self.route(req, headers)
+        return decision, route.by_id(decision.branch_ids)
+
+    # -- running ----------------------------------------------------------------
 
     async def prepare(
         self,
@@ -274,7 +161,7 @@ class CompletionService:
         headers: Mapping[str, str] | None = None,
     ) -> Job:
         check_limits(req, self._settings.limits)
-        decision = await self.decide(req, headers or {})
+        decision, branches = await self.decide(req, headers or {})
         job_id = uuid.uuid4().hex
         seed = None if req.seed is None else req.seed & _SEED_MASK
         base = SamplingParams(
@@ -288,7 +175,7 @@ class CompletionService:
             ignore_eos=req.ignore_eos,
         )
         if isinstance(req, ChatCompletionRequest):
-            info = decision.branches[0].engine.info
+            info = branches[0].engine.info
             prompt = render_chat(
                 [{"role": m.role, "content": m.text} for m in req.messages],
                 model_template=info.chat_template if info else None,
@@ -329,15 +216,28 @@ class CompletionService:
             )
             for i, prompt in enumerate(prompts)
         )
-        return Job(job_id, kind, decision, requests, req.n, req.stream, req.include_usage, logprobs)
+        return Job(
+            job_id,
+            kind,
+            decision,
+            branches,
+            requests,
+            req.n,
+            req.stream,
+            req.include_usage,
+            logprobs,
+        )
 
     async def start(self, job: Job) -> Run:
         """Open every choice on the first branch that takes them all."""
         last: EngineError | None = None
-        for branch in job.decision.branches:
+        for branch in job.branches:
             streams: list[AsyncIterator[EngineEvent]] = []
             try:
-                self._admit(branch)
+                if not self._gateway.occupancy.admit(branch.id):
+                    raise DeviceOutOfMemoryError(
+                        f"the device of branch {branch.id} is out of memory"
+                    )
                 prompt_tokens = []
                 for request in job.requests:
                     stream = aiter(branch.engine.generate(request))
@@ -346,10 +246,10 @@ class CompletionService:
                     if not isinstance(first, StartEvent):
                         raise EngineError(f"branch {branch.id} skipped its start event")
                     prompt_tokens.append(first.prompt_tokens)
-                return Run(job, branch, streams, prompt_tokens, self._on_finished)
+                return Run(job, branch, streams, prompt_tokens, self._gateway.finished)
             except ContextLengthExceededError as exc:
                 exc.param = "messages" if job.kind == "chat" else "prompt"
-                await _close_all(streams)
+                await close_all(streams)
                 raise
             except EngineError as exc:
                 last = exc
@@ -359,26 +259,60 @@ class CompletionService:
                     branch.id,
                     exc.message,
                 )
-                await _close_all(streams)
+                await close_all(streams)
             except BaseException:
-                await _close_all(streams)
+                await close_all(streams)
                 raise
-        if last is not None and len(job.decision.branches) == 1:
+        if last is not None and len(job.branches) == 1:
             raise last
         raise ServiceUnavailableError(
             f"every branch of {job.decision.model} failed before answering", retry_after_s=2.0
         )
+
+    # -- views and operator actions ----------------------------------------------
+
+    def models(self) -> dict[str, Any]:
+        """The body of ``GET /v1/models``."""
+        return views.models_json(self._gateway)
+
+    def devices(self) -> dict[str, Any]:
+        """The body of ``GET /v1/devices``."""
+        return views.devices_json(self._gateway)
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """``GET /readyz``: ready when every model has a branch that takes traffic."""
+        return views.readiness_json(self._gateway)
+
+    def metrics(self) -> bytes:
+        """Prometheus text exposition of branches and devices."""
+        return views.metrics_text(self._gateway)
+
+    def set_pressure(self, device_id: str, nbytes: int) -> None:
+        """Simulated devices only: occupy ``nbytes`` of a device, as another tenant would."""
+        sim = self._gateway.occupancy.sim
+        if sim is None:
+            raise InvalidRequestError("pressure can only be set on simulated devices")
+        if device_id not in sim.device_ids:
+            raise NotFoundError("No such simulated device.", param="device_id", code="not_found")
+        sim.set_pressure(device_id, nbytes)
+
+    async def restart(self, branch_ref: str) -> dict[str, Any]:
+        """Restart a branch (``model:branch``), clearing its failure; the answer says how it
+        came back."""
+        _, branch = lookup(self._gateway.routes.current, branch_ref)
+        if branch is None:
+            raise InvalidRequestError(
+                "name a branch (model:branch), not a model", param="branch_id"
+            )
+        await self._gateway.restart(branch)
+        return {
+            "branch": branch.id,
+            "ready": branch.engine.ready,
+            "failure": branch.engine.failure,
+        }
 
 
 def _prompt_text(req: ChatCompletionRequest | CompletionRequest) -> str:
     if isinstance(req, ChatCompletionRequest):
         return "\n".join(m.text for m in req.messages)
     return req.prompts[0]
-
-
-async def _close_all(streams: list[AsyncIterator[EngineEvent]]) -> None:
-    for stream in streams:
-        aclose = getattr(stream, "aclose", None)
-        if aclose is not None:
-            with contextlib.suppress(Exception):
-                await aclose()

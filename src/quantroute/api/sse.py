@@ -11,8 +11,8 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from quantroute.api.jobs import Run, Tick
 from quantroute.api.render import ResponseRenderer
-from quantroute.api.service import Run, Tick
 from quantroute.engines.base import StartEvent
 from quantroute.errors import QuantrouteError
 

@@ -1,22 +1,148 @@
-"""Read-only views of the gateway: ``GET /v1/devices`` and the Prometheus metrics."""
+"""Read-only views of the gateway: the bodies of ``GET /v1/models``, ``/v1/devices`` and
+``/readyz``, and the Prometheus metrics. The service calls these; routes never do."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from quantroute.api.gateway import Gateway
+from quantroute.observability import render_metrics
 from quantroute.observability.metrics import BranchSample, DeviceSample
+from quantroute.quality.profile import BranchProfile
+from quantroute.routing.table import Branch
 from quantroute.telemetry import snapshot_to_json
+
+if TYPE_CHECKING:
+    from quantroute.api.gateway import Gateway
+
+
+def branch_state(gateway: Gateway, branch: Branch) -> tuple[str, str | None]:
+    """``(state, why)``: ``ready``, ``starting``, ``draining``, ``unloaded`` or ``failed``
+    (with the cause in words)."""
+    placement = gateway.occupancy.get(branch.id)
+    if placement is not None and placement.problem:
+        return "failed", placement.problem
+    if branch.engine.failure:
+        return "failed", branch.engine.failure
+    if gateway.residency.draining(branch.id):
+        return "draining", None
+    if gateway.residency.routable(branch):
+        return "ready", None
+    if branch.engine.model_path is not None and not gateway.residency.loaded(branch.id):
+        return "unloaded", None
+    return "starting", None
+
+
+def models_json(gateway: Gateway) -> dict[str, Any]:
+    data: list[dict[str, Any]] = []
+    for route in gateway.routes.current.models.values():
+        branches = []
+        for b in route.branches:
+            state, why = branch_state(gateway, b)
+            branches.append(
+                {
+                    "id": b.id,
+                    "branch": b.name,
+                    "precision": b.precision.value,
+                    "engine": b.artifact.engine,
+                    "reference": b.name == route.reference,
+                    "ready": state == "ready",
+                    "state": state,
+                    "failure": why,
+                    "sha256": b.artifact.sha256,
+                    "size_bytes": b.artifact.size_bytes,
+                    "n_ctx": b.engine.info.n_ctx if b.engine.info else None,
+                    "profile": _profile_json(b.profile),
+                    "drift": _drift_json(gateway, b.id),
+                }
+            )
+        data.append(
+            {
+                "id": route.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "quantroute",
+                "reference": route.reference,
+                "branches": branches,
+                "profile_warnings": list(route.profile_warnings),
+            }
+        )
+        data += [
+            {
+                "id": b["id"],
+                "object": "model",
+                "created": 0,
+                "owned_by": "quantroute",
+                "parent": route.name,
+            }
+            for b in branches
+        ]
+    return {"object": "list", "data": data}
+
+
+def readiness_json(gateway: Gateway) -> tuple[bool, dict[str, Any]]:
+    ready: dict[str, list[str]] = {}
+    failed: dict[str, dict[str, str]] = {}
+    for name, route in gateway.routes.current.models.items():
+        ready[name] = []
+        for b in route.branches:
+            state, why = branch_state(gateway, b)
+            if state == "ready":
+                ready[name].append(b.name)
+            elif state == "failed":
+                failed.setdefault(name, {})[b.name] = why or "failed"
+    ok = bool(ready) and all(ready.values())
+    body: dict[str, Any] = {"status": "ready" if ok else "not ready", "ready_branches": ready}
+    body["failed_branches"] = failed
+    return ok, body
+
+
+def _drift_json(gateway: Gateway, branch_id: str) -> dict[str, Any] | None:
+    state = gateway.drift.state(branch_id)
+    last = state.last
+    return {
+        "degraded": state.degraded,
+        "windows": state.windows,
+        "replays": state.replays,
+        "dropped": state.dropped,
+        "last_window": None
+        if last is None
+        else {
+            "mean_kld": last.mean_kld,
+            "top1": last.top1,
+            "tokens": last.n_tokens,
+            "in_bounds": last.in_bounds,
+        },
+    }
+
+
+def _profile_json(profile: BranchProfile | None) -> dict[str, Any] | None:
+    if profile is None:
+        return None
+    q = profile.quality
+    return {
+        "mean_kld": q.mean_kld,
+        "kld_stderr": q.kld_stderr,
+        "kld_p99": q.kld_p99,
+        "top1": q.top1,
+        "top1_sigma": q.top1_sigma,
+        "ppl": q.ppl_q,
+        "ln_ppl_ratio": q.ln_ppl_ratio,
+        "rms_dp": q.rms_dp,
+        "n_tokens": q.n_tokens,
+        "decode_tps": profile.decode_tps,
+        "prefill_tps": profile.prefill_tps,
+        "rss_bytes": profile.rss_bytes,
+        "measured_at": profile.measured_at.isoformat(),
+    }
 
 
 def devices_json(gateway: Gateway) -> dict[str, Any]:
-    """The body of ``GET /v1/devices``: the latest snapshot, and each branch's placement."""
-    assert gateway.poller is not None
+    """The latest snapshot, and each branch's placement and footprint."""
     snapshot = gateway.poller.snapshot
+    occupancy = gateway.occupancy
     on_device: dict[str, list[str]] = {}
-    for branch_id, placement in gateway.placements.items():
+    for branch_id, placement in occupancy.placements.items():
         if placement.device is not None:
             on_device.setdefault(placement.device, []).append(branch_id)
     body = snapshot_to_json(
@@ -25,13 +151,17 @@ def devices_json(gateway: Gateway) -> dict[str, Any]:
         health=gateway.health.factors(snapshot.device_ids),
         margin=gateway.margin,
     )
+    states = {b.id: branch_state(gateway, b) for b in gateway.routes.current.branches()}
     body["branches"] = {
         branch_id: {
             "device": p.device,
-            "ready": _ready(gateway, branch_id),
+            "ready": states.get(branch_id, ("", None))[0] == "ready",
+            "state": states.get(branch_id, ("unknown", None))[0],
+            "failure": states.get(branch_id, ("", None))[1],
+            "n_gpu_layers": p.n_gpu_layers if p.gpu is not None else 0,
             "footprint": {
                 "bytes": p.footprint.bytes,
-                "device_bytes": gateway.device_bytes(p.footprint),
+                "device_bytes": occupancy.device_bytes(p.footprint),
                 "estimated_bytes": p.footprint.estimated_bytes,
                 "measured_bytes": p.footprint.measured_bytes,
                 "weights_bytes": p.footprint.weights_bytes,
@@ -40,7 +170,7 @@ def devices_json(gateway: Gateway) -> dict[str, Any]:
                 "overhead_bytes": p.footprint.overhead_bytes + p.footprint.runtime_bytes,
             },
         }
-        for branch_id, p in gateway.placements.items()
+        for branch_id, p in occupancy.placements.items()
     }
     return body
 
@@ -55,19 +185,22 @@ class MetricsView:
         gateway = self.gateway
         samples = []
         for b in gateway.routes.current.branches():
-            placement = gateway.placements.get(b.id)
-            state = gateway.drift.state(b.id) if gateway.drift is not None else None
-            last = state.last if state is not None else None
+            placement = gateway.occupancy.get(b.id)
+            state = gateway.drift.state(b.id)
+            last = state.last
             samples.append(
                 BranchSample(
                     model=b.model,
                     branch=b.name,
                     precision=b.precision.value,
-                    ready=gateway.routable(b),
+                    ready=gateway.residency.routable(b),
+                    failed=branch_state(gateway, b)[0] == "failed",
                     in_flight=b.engine.in_flight,
                     device=(placement.device or "") if placement else "",
-                    footprint_bytes=gateway.device_bytes(placement.footprint) if placement else 0,
-                    degraded=bool(state and state.degraded),
+                    footprint_bytes=(
+                        gateway.occupancy.device_bytes(placement.footprint) if placement else 0
+                    ),
+                    degraded=state.degraded,
                     window_kld=last.mean_kld if last else None,
                     window_top1=last.top1 if last else None,
                 )
@@ -76,8 +209,6 @@ class MetricsView:
 
     def device_samples(self) -> tuple[list[DeviceSample], float]:
         gateway = self.gateway
-        if gateway.poller is None:
-            return [], math.inf
         snapshot = gateway.poller.snapshot
         return [
             DeviceSample(
@@ -92,5 +223,5 @@ class MetricsView:
         ], snapshot.age_s()
 
 
-def _ready(gateway: Gateway, branch_id: str) -> bool:
-    return any(gateway.routable(b) for b in gateway.routes.current.branches() if b.id == branch_id)
+def metrics_text(gateway: Gateway) -> bytes:
+    return render_metrics(MetricsView(gateway))

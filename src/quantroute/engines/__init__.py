@@ -6,6 +6,7 @@ from quantroute.engines.base import (
     Engine,
     EngineEvent,
     EngineInfo,
+    EngineListener,
     FinishEvent,
     FinishReason,
     GenerationRequest,
@@ -14,16 +15,21 @@ from quantroute.engines.base import (
     TokenEvent,
 )
 from quantroute.engines.chat_template import ChatPrompt, render_chat
+from quantroute.engines.exits import describe_exit
 from quantroute.engines.fake import FakeEngine, FakeFaults
 from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
+from quantroute.engines.llamacpp_build import BuildInfo, DecodeCheck, decode_check, probe_build
 from quantroute.engines.stops import StopMatcher
 from quantroute.engines.supervisor import RestartPolicy, WorkerSupervisor
 
 __all__ = [
+    "BuildInfo",
     "ChatPrompt",
+    "DecodeCheck",
     "Engine",
     "EngineEvent",
     "EngineInfo",
+    "EngineListener",
     "FakeEngine",
     "FakeFaults",
     "FinishEvent",
@@ -37,5 +43,8 @@ __all__ = [
     "TokenEvent",
     "WorkerOptions",
     "WorkerSupervisor",
+    "decode_check",
+    "describe_exit",
+    "probe_build",
     "render_chat",
 ]

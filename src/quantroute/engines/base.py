@@ -17,7 +17,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol, runtime_checkable
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from quantroute.types import Offload
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 
 class FinishReason(StrEnum):
@@ -99,15 +106,42 @@ class EngineInfo:
     pid: int | None = None
 
 
+class EngineListener(Protocol):
+    """Told of an engine's lifecycle (placement and memory accounting live outside it)."""
+
+    def engine_ready(self, engine: Engine) -> None:
+        """Loaded and warmed up: it takes traffic from now on."""
+
+    def engine_exited(self, engine: Engine, returncode: int) -> None:
+        """Its process died unasked (it will be restarted unless it is failed)."""
+
+    def engine_failed(self, engine: Engine, cause: str) -> None:
+        """It failed too often in a row; it stays down until restarted (``cause`` in words)."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     """Runs one branch. Implementations: ``LlamaCppEngine`` (a supervised worker
     process), ``FakeEngine`` (deterministic, for tests and demos).
 
     ``generate`` may be called concurrently; an engine serves several sequences
-    at once. ``ready`` is false while starting or restarting; ``generate`` then
-    raises ``EngineUnavailableError`` at once rather than queueing.
+    at once. ``ready`` is false while starting, warming up, restarting or
+    failed; ``generate`` then raises ``EngineUnavailableError`` at once rather
+    than queueing. ``start`` returns once the engine is ready or its first start
+    failed, and never raises for a bad model: the failure is the branch's
+    (``failure``), not the caller's.
+
+    What the gateway reads of any engine: ``name`` (the branch id), ``info``
+    (once loaded), ``in_flight`` (sequences running or queued), ``pid`` (its
+    process, for footprint measurement; ``None`` when it has none here),
+    ``model_path`` (a local model file the memory model can read; ``None`` for
+    a remote engine, which costs no local memory), ``failure`` (why it is
+    failed, in words), ``can_score`` (whether ``score`` works: the drift
+    monitor's teacher-forced replay).
     """
+
+    @property
+    def name(self) -> str: ...
 
     @property
     def ready(self) -> bool: ...
@@ -118,8 +152,35 @@ class Engine(Protocol):
     @property
     def in_flight(self) -> int: ...
 
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def model_path(self) -> Path | None: ...
+
+    @property
+    def failure(self) -> str | None: ...
+
+    @property
+    def can_score(self) -> bool: ...
+
+    def listen(self, listener: EngineListener) -> None:
+        """Report lifecycle events to ``listener`` (one; a second call replaces it)."""
+
+    def offload(self, offload: Offload) -> None:
+        """Run on this device from the next start on."""
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
 
+    async def restart(self) -> None:
+        """Clear a failure and start again (an operator's action)."""
+
     def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]: ...
+
+    async def score(
+        self, prompt: str, tokens: list[int], *, parse_special: bool = False
+    ) -> npt.NDArray[np.float32]:
+        """Teacher-force ``tokens`` after ``prompt``: the log-softmax rows that predicted
+        each of them, ``[len(tokens), n_vocab]``. Only where ``can_score``."""

@@ -8,10 +8,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
 
 from quantroute.engines.base import (
     EngineEvent,
     EngineInfo,
+    EngineListener,
     FinishEvent,
     FinishReason,
     GenerationRequest,
@@ -20,6 +25,7 @@ from quantroute.engines.base import (
 )
 from quantroute.engines.stops import StopMatcher
 from quantroute.errors import ContextLengthExceededError, EngineCrashedError, EngineUnavailableError
+from quantroute.types import Offload
 
 
 @dataclass(slots=True)
@@ -42,7 +48,9 @@ class FakeEngine:
         n_ctx: int = 512,
         token_delay_s: float = 0.0,
         faults: FakeFaults | None = None,
+        name: str = "fake",
     ):
+        self.name = name
         self.text = text
         self.faults = faults or FakeFaults()
         self.token_delay_s = token_delay_s
@@ -58,7 +66,9 @@ class FakeEngine:
         )
         self._ready = False
         self._in_flight = 0
+        self._listener: EngineListener | None = None
         self.requests: list[GenerationRequest] = []
+        self.placement = Offload()
 
     @property
     def ready(self) -> bool:
@@ -72,11 +82,44 @@ class FakeEngine:
     def in_flight(self) -> int:
         return self._in_flight
 
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    @property
+    def model_path(self) -> Path | None:
+        return None
+
+    @property
+    def failure(self) -> str | None:
+        return None
+
+    @property
+    def can_score(self) -> bool:
+        return False
+
+    def listen(self, listener: EngineListener) -> None:
+        self._listener = listener
+
+    def offload(self, offload: Offload) -> None:
+        self.placement = offload
+
     async def start(self) -> None:
         self._ready = True
+        if self._listener is not None:
+            self._listener.engine_ready(self)
 
     async def stop(self) -> None:
         self._ready = False
+
+    async def restart(self) -> None:
+        await self.stop()
+        await self.start()
+
+    async def score(
+        self, prompt: str, tokens: list[int], *, parse_special: bool = False
+    ) -> npt.NDArray[np.float32]:
+        raise EngineUnavailableError("a fake engine does not score")
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
         if not self.ready or self.faults.refuse:

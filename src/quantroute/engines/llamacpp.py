@@ -3,7 +3,10 @@
 The gateway side of the worker protocol (see ``llamacpp_worker``): one
 reader task fans the worker's events out to per-request queues; a dead
 worker fails every in-flight request with ``EngineCrashedError`` and the
-supervisor restarts it.
+supervisor restarts it. A new worker is warmed up (one batch of prompt, one
+token) before it is ready, so the first decode — where a CPU that lacks an
+instruction of the build dies — happens before any request is routed to it;
+a worker that keeps failing marks the branch failed (``failure``).
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -26,12 +30,15 @@ import numpy.typing as npt
 from quantroute.engines.base import (
     EngineEvent,
     EngineInfo,
+    EngineListener,
     FinishEvent,
     FinishReason,
     GenerationRequest,
+    SamplingParams,
     StartEvent,
     TokenEvent,
 )
+from quantroute.engines.exits import describe_exit
 from quantroute.engines.supervisor import RestartPolicy, WorkerSupervisor
 from quantroute.errors import (
     ContextLengthExceededError,
@@ -39,6 +46,7 @@ from quantroute.errors import (
     EngineError,
     EngineUnavailableError,
 )
+from quantroute.types import Offload
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +63,30 @@ class WorkerOptions:
     log_level: str = "info"
     start_timeout_s: float = 120.0
     cpus: tuple[int, ...] = ()  # pin the worker to these cores; () leaves it unpinned
+    fault: str = ""  # fault injection for tests (see llamacpp_worker --fault)
+    gpu: int | None = None  # CUDA device index (NVML order); None: the CPU
 
+    def argv(self, model_path: Path) -> list[str]:
+        argv = [sys.executable, "-m", "quantroute.engines.llamacpp_worker"]
+        argv += ["--model", str(model_path)]
+        for key, value in asdict(self).items():
+            if key == "cpus":
+                if value:
+                    argv += ["--cpus", ",".join(map(str, value))]
+            elif key == "fault":
+                if value:
+                    argv += ["--fault", value]
+            elif key not in ("start_timeout_s", "gpu"):
+                argv += [f"--{key.replace('_', '-')}", str(value)]
+        return argv
 
-class WorkerListener(Protocol):
-    """Told when a branch's worker process becomes ready or dies (placement and
-    memory accounting live outside the engine)."""
-
-    def worker_ready(self, engine: LlamaCppEngine, pid: int) -> None: ...
-
-    def worker_exited(self, engine: LlamaCppEngine, returncode: int) -> None: ...
+    def env(self) -> dict[str, str]:
+        """The worker's environment: the gateway's, with the GPU it may see (NVML's order,
+        so ``cuda:N`` is the same device for both), or none on the CPU."""
+        env = dict(os.environ)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = "" if self.gpu is None else str(self.gpu)
+        return env
 
 
 class LlamaCppEngine:
@@ -76,32 +99,26 @@ class LlamaCppEngine:
         options: WorkerOptions,
         policy: RestartPolicy,
         *,
-        listener: WorkerListener | None = None,
+        listener: EngineListener | None = None,
     ):
         self.name = name
-        self.listener = listener
-        self.model_path = model_path
+        self._listener = listener
+        self._model_path = model_path
         self._options = options
         self._info: EngineInfo | None = None
         self._ready = False
+        self._accepting = False  # the worker takes commands (the warm-up's, then everyone's)
         self._streams: dict[str, asyncio.Queue[_Item]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._ids = itertools.count()
-        argv = [
-            sys.executable,
-            "-m",
-            "quantroute.engines.llamacpp_worker",
-            "--model",
-            str(model_path),
-        ]
-        for key, value in asdict(options).items():
-            if key == "cpus":
-                if value:
-                    argv += ["--cpus", ",".join(map(str, value))]
-            elif key != "start_timeout_s":
-                argv += [f"--{key.replace('_', '-')}", str(value)]
         self._supervisor = WorkerSupervisor(
-            name, argv, on_start=self._on_start, on_exit=self._on_exit, policy=policy
+            name,
+            options.argv(model_path),
+            on_start=self._on_start,
+            on_exit=self._on_exit,
+            on_failed=self._on_failed,
+            policy=policy,
+            env=options.env(),
         )
 
     @property
@@ -125,15 +142,49 @@ class LlamaCppEngine:
         proc = self._supervisor.process
         return proc.pid if proc is not None and proc.returncode is None else None
 
+    @property
+    def model_path(self) -> Path:
+        return self._model_path
+
+    @property
+    def failure(self) -> str | None:
+        return self._supervisor.failure
+
+    @property
+    def can_score(self) -> bool:
+        return True
+
+    @property
+    def options(self) -> WorkerOptions:
+        return self._options
+
+    def listen(self, listener: EngineListener) -> None:
+        self._listener = listener
+
+    def offload(self, offload: Offload) -> None:
+        layers = offload.n_gpu_layers if offload.gpu is not None else 0
+        self._options = replace(self._options, gpu=offload.gpu, n_gpu_layers=layers)
+        self._supervisor.argv = self._options.argv(self._model_path)
+        self._supervisor.env = self._options.env()
+
     async def start(self) -> None:
         """Start the worker; a worker that fails is logged and retried, never raised."""
         try:
             await self._supervisor.start()
         except Exception as exc:
-            log.error("%s: not ready: %s (the supervisor keeps retrying)", self.name, exc)
+            log.error("%s: not ready: %s", self.name, exc)
+
+    async def restart(self) -> None:
+        """Clear a failure and start a fresh worker; like ``start``, never raises for it."""
+        self._ready = False
+        try:
+            await self._supervisor.restart()
+        except Exception as exc:
+            log.error("%s: not ready after restart: %s", self.name, exc)
 
     async def stop(self) -> None:
         self._ready = False
+        self._accepting = False
         await self._supervisor.stop()
         if self._reader is not None:
             self._reader.cancel()
@@ -153,9 +204,12 @@ class LlamaCppEngine:
             raise EngineError(f"{self.name}: worker sent {hello.get('ev')!r} before 'ready'")
         self._info = EngineInfo(**hello["info"])
         self._reader = asyncio.create_task(self._read(proc), name=f"read:{self.name}")
+        self._accepting = True
+        await self._warm_up(self._info)
+        self._supervisor.note_healthy()
         self._ready = True
-        if self.listener is not None:
-            self.listener.worker_ready(self, proc.pid)
+        if self._listener is not None:
+            self._listener.engine_ready(self)
         log.info(
             "%s: worker %s ready (n_ctx=%d, parallel=%d)",
             self.name,
@@ -164,21 +218,37 @@ class LlamaCppEngine:
             self._info.parallel,
         )
 
+    async def _warm_up(self, info: EngineInfo) -> None:
+        """One batch of prompt and one token: the first decode, and the allocations that
+        come with it, happen here rather than in someone's request."""
+        prompt = "x" * max(1, min(info.n_ctx - 2, self._options.n_batch - 1))
+        warmup = GenerationRequest("warmup", prompt, SamplingParams(max_tokens=1, temperature=0))
+        try:
+            async for _ in self.generate(warmup):
+                pass
+        except EngineError as exc:
+            raise EngineError(f"{self.name}: warm-up failed: {exc.message}") from exc
+
     def _on_exit(self, returncode: int) -> None:
         self._ready = False
+        self._accepting = False
+        cause = describe_exit(returncode)
         log.error(
-            "%s: worker died (exit %s) with %d requests in flight",
+            "%s: worker died (%s) with %d requests in flight",
             self.name,
-            returncode,
+            cause,
             len(self._streams),
         )
         self._fail_all(
-            EngineCrashedError(
-                f"the worker serving {self.name} stopped unexpectedly (exit {returncode})"
-            )
+            EngineCrashedError(f"the worker serving {self.name} stopped unexpectedly: {cause}")
         )
-        if self.listener is not None:
-            self.listener.worker_exited(self, returncode)
+        if self._listener is not None:
+            self._listener.engine_exited(self, returncode)
+
+    def _on_failed(self, cause: str) -> None:
+        self._ready = False
+        if self._listener is not None:
+            self._listener.engine_failed(self, cause)
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():
@@ -195,10 +265,21 @@ class LlamaCppEngine:
             stream = self._streams.get(event.get("id", ""))
             if stream is not None:
                 stream.put_nowait(event)
+        # The worker closed its stdout: it is dying. Fail what waits on it now (a warm-up
+        # included), rather than when the supervisor notices the exit.
+        self._accepting = False
+        try:
+            code = await asyncio.wait_for(proc.wait(), 5.0)
+            cause = describe_exit(code)
+        except TimeoutError:
+            cause = "it closed its output"
+        self._fail_all(
+            EngineCrashedError(f"the worker serving {self.name} stopped unexpectedly: {cause}")
+        )
 
     def _send(self, command: dict[str, Any]) -> None:
         proc = self._supervisor.process
-        if proc is None or proc.stdin is None or proc.returncode is not None or not self._ready:
+        if proc is None or proc.stdin is None or proc.returncode is not None or not self._accepting:
             raise EngineUnavailableError(f"branch {self.name} is not ready")
         proc.stdin.write(json.dumps(command, separators=(",", ":")).encode() + b"\n")
 
@@ -284,6 +365,7 @@ class LlamaCppEngine:
                 elif kind == "start":
                     yield StartEvent(item["pt"])
                 elif kind == "fin":
+                    self._supervisor.note_healthy()  # a finished generation: a healthy run
                     yield FinishEvent(
                         FinishReason(item["reason"]), item["pt"], item["ct"], item["t"]
                     )

@@ -23,6 +23,11 @@ Events::
 
 Scheduling is continuous batching: every step puts the next token of every
 decoding sequence and a slice of any waiting prompt into one ``llama_decode``.
+
+``--fault`` is a test hook, off by default: ``sigill-at-first-decode`` dies of
+SIGILL right before the first ``llama_decode`` of a generation (as a build
+using instructions the CPU lacks does); ``exit-at-load`` exits with status 3
+before loading the model.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ import json
 import logging
 import os
 import queue
+import resource
+import signal
 import sys
 import threading
 from collections import deque
@@ -83,6 +90,7 @@ class Worker:
     def __init__(self, args: argparse.Namespace, out: IO[bytes]):
         self._out = out
         self._pending_out: list[bytes] = []
+        self._fault = args.fault
         lc.llama_backend_init()
         if args.log_level != "debug":
             lc.llama_log_set(_ERRORS_ONLY_LOG, ctypes.c_void_p(0))
@@ -368,6 +376,10 @@ class Worker:
                     n += 1
                 seq.fed += take
         batch.n_tokens = n
+        if self._fault == "sigill-at-first-decode" and any(
+            s.first_scored < 0 for s in self.active.values()
+        ):
+            _die_of(signal.SIGILL)
         rc = lc.llama_decode(self.ctx, batch)
         if rc != 0:
             for seq in list(self.active.values()):
@@ -443,6 +455,12 @@ def _ERRORS_ONLY_LOG(level: int, text: bytes, user_data: ctypes.c_void_p) -> Non
 _GGML_LOG_LEVEL_ERROR = 3
 
 
+def _die_of(sig: signal.Signals) -> None:
+    """The ``--fault`` hook: exit as a real fault would (status ``-sig``), without a core."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.kill(os.getpid(), sig)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="quantroute llama.cpp worker (internal)")
     parser.add_argument("--model", required=True)
@@ -453,6 +471,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-gpu-layers", type=int, default=0)
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--cpus", default="", help="comma-separated cores to pin to")
+    parser.add_argument(
+        "--fault",
+        default="",
+        choices=("", "sigill-at-first-decode", "exit-at-load"),
+        help="test hook: fail on purpose (see the module docstring)",
+    )
     return parser.parse_args(argv)
 
 
@@ -466,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # from here on, anything printed to stdout lands on stderr
     sys.stdout = sys.stderr
+    if args.fault == "exit-at-load":
+        return 3
     worker = Worker(args, out)
     worker.emit({"ev": "ready", "info": worker.info()})
     worker.flush()

@@ -7,6 +7,8 @@ protocol, so this package imports nothing above core) and exposes:
 metric                                     type   labels
 =========================================  =====  =========================================
 ``quantroute_branch_ready``                gauge  model, branch, precision
+``quantroute_branch_failed``               gauge  model, branch (failed: crashed too often,
+                                                  or its file could not be loaded)
 ``quantroute_branch_in_flight``            gauge  model, branch
 ``quantroute_branch_degraded``             gauge  model, branch (the drift monitor's verdict)
 ``quantroute_branch_drift_window_kld``     gauge  model, branch (mean KLD of the last window)
@@ -37,6 +39,7 @@ class BranchSample:
     branch: str
     precision: str
     ready: bool
+    failed: bool
     in_flight: int
     device: str
     footprint_bytes: int
@@ -74,6 +77,11 @@ class GatewayCollector(Collector):
             "Branch takes traffic (1) or not.",
             labels=[*branch_labels, "precision"],
         )
+        failed = GaugeMetricFamily(
+            "quantroute_branch_failed",
+            "Branch is failed (1): it crashed too often or could not load; see /v1/models.",
+            labels=branch_labels,
+        )
         in_flight = GaugeMetricFamily(
             "quantroute_branch_in_flight", "Requests running on the branch.", labels=branch_labels
         )
@@ -100,6 +108,7 @@ class GatewayCollector(Collector):
         for b in self._view.branch_samples():
             ids = [b.model, b.branch]
             ready.add_metric([*ids, b.precision], float(b.ready))
+            failed.add_metric(ids, float(b.failed))
             in_flight.add_metric(ids, float(b.in_flight))
             degraded.add_metric(ids, float(b.degraded))
             if b.window_kld is not None:
@@ -107,7 +116,7 @@ class GatewayCollector(Collector):
             if b.window_top1 is not None:
                 top1.add_metric(ids, b.window_top1)
             footprint.add_metric([*ids, b.device], float(b.footprint_bytes))
-        yield from (ready, in_flight, degraded, kld, top1, footprint)
+        yield from (ready, failed, in_flight, degraded, kld, top1, footprint)
 
         devices, age = self._view.device_samples()
         labels = ["device", "kind"]

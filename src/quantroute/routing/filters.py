@@ -1,13 +1,12 @@
 """The hard filters: which branches may serve a request at all.
 
-A branch is *feasible* when it passes all five; no score can bring back one
+A branch is *feasible* when it passes all four; no score can bring back one
 that fails:
 
 =========  ===================================================================================
 filter     passes when
 =========  ===================================================================================
-ready      the engine is ready
-breaker    the branch's circuit breaker is not open
+ready      the branch takes routed traffic (loaded, warmed up, not draining, not failed)
 quality    the requirement has no bound; or the branch is the reference (it meets any bound);
            or it is profiled, not degraded, ``mean_kld <= max_kld`` and ``top1 >= min_top1``.
            ``max_kld == 0`` admits only the reference: a measured zero on the calibration text
@@ -20,10 +19,10 @@ deadline   no deadline; or unknown speeds (passes, marked "unknown"); or the pre
            ``deadline_ms``
 =========  ===================================================================================
 
-Queue wait is ``ahead * service / parallel``: ``ahead`` is ``queue_depth``, plus
-one when every slot is busy; ``service`` is the branch's ``mean_service_ms`` when
-the caller measures it, else this request's own service time (the best guess of
-what the requests ahead of it cost).
+Queue wait is ``ahead * service / parallel``: ``ahead`` is ``queued``, plus
+one when every slot is busy (``running >= parallel``); ``service`` is the
+branch's ``mean_service_ms`` when the caller measures it, else this request's
+own service time (the best guess of what the requests ahead of it cost).
 
 :func:`evaluate` is the hot path: one pass, plain tuples, no formatting.
 :func:`describe` turns its numbers into the explanation's words, only when
@@ -33,29 +32,21 @@ someone asks.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from quantroute.routing.requirement import Requirement
-    from quantroute.routing.scoring import BranchState, RequestShape
+from quantroute.routing.records import BranchState, RequestShape, Row
+from quantroute.routing.requirement import Requirement
 
 READY = 1
-BREAKER = 2
-QUALITY = 4
-MEMORY = 8
-DEADLINE = 16
+QUALITY = 2
+MEMORY = 4
+DEADLINE = 8
 
 NAMES: tuple[tuple[int, str], ...] = (
     (READY, "ready"),
-    (BREAKER, "breaker"),
     (QUALITY, "quality"),
     (MEMORY, "memory"),
     (DEADLINE, "deadline"),
 )
-
-# One branch's filter outcome: (failed filter bits, KV bytes needed, service ms or None,
-# predicted latency ms or None).
-Row = tuple[int, int, float | None, float | None]
 
 
 def evaluate(
@@ -74,8 +65,6 @@ def evaluate(
     append = rows.append
     for b in branches:
         fails = 0 if b.ready else READY
-        if b.breaker_open:
-            fails |= BREAKER
         if bounded and not b.is_reference:
             if reference_only or b.degraded:
                 fails |= QUALITY
@@ -94,7 +83,7 @@ def evaluate(
         if prefill and decode:
             service = 1000.0 * (prompt / prefill + generate / decode)
             parallel = b.parallel if b.parallel > 0 else 1
-            ahead = b.queue_depth + (1 if b.in_flight >= parallel else 0)
+            ahead = b.queued + (1 if b.running >= parallel else 0)
             if ahead:
                 mean = b.mean_service_ms
                 predicted = service + ahead * (service if mean is None else mean) / parallel
@@ -128,8 +117,6 @@ def _reason(
 ) -> str:
     if bit == READY:
         return "ready" if b.ready else "not ready"
-    if bit == BREAKER:
-        return "open" if b.breaker_open else "closed"
     if bit == QUALITY:
         return _quality_reason(requirement, b)
     if bit == MEMORY:

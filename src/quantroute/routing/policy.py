@@ -1,70 +1,410 @@
-"""Which branch answers a request.
+"""The routing policy: for one request, the branch to try first, its fallbacks, and why.
 
-This first policy picks the highest-precision ready branch and keeps the
-others, in order, as fallbacks; a pinned branch (``tiny-llama:q4_k_m``)
-answers alone. The accuracy/deadline/memory policy replaces it (issue:
-the router) behind the same ``choose`` signature.
+:func:`choose` is pure: immutable records in (:class:`Requirement`,
+:class:`RequestShape`, a sequence of :class:`BranchState`, the settings), an
+immutable :class:`Decision` out; no I/O, no clock, no locks, no asyncio.
+The caller reads the current route table and device snapshot once per
+request; both are replaced whole and swapped by reference (``RouteTableRef``,
+the poller's snapshot), never edited, so a decision never sees half an update
+and readers never lock.
+
+The steps:
+
+1. **Filters** (:mod:`~quantroute.routing.filters`): ready, quality,
+   memory, deadline. A branch that fails one is out; nothing overrides that.
+2. **Score** (:mod:`~quantroute.routing.score`): memory-regime fit, headroom,
+   load, deadline slack, health, heat, weighted.
+3. **Affinity** (:mod:`~quantroute.routing.affinity`): among the ``top_k``
+   best whose scores are within ``tie_epsilon`` of the best, rendezvous
+   hashing of the prompt prefix picks the primary, so a repeated prefix lands
+   where its prompt cache is.
+4. **Fallbacks**: every other feasible branch, by score. Never a branch that
+   fails the quality bound.
+
+When nothing is feasible, the tier decides (``TierSettings.on_infeasible``):
+
+==============================  ==================================================================
+requirement                     outcome
+==============================  ==================================================================
+no branch ready (any tier)      :class:`ServiceUnavailableError` with ``retry_after_s``
+``exact`` (wait)                a decision with no branches and ``wait_s``: the caller waits up to
+                                that long for the reference, routes again, then answers 503 with
+                                Retry-After. ``wait_s`` is cut to what the deadline leaves after
+                                the reference's own service time; if waiting cannot help (no
+                                reference, the request can never fit its device, or the deadline
+                                is too short even for an idle reference) it is a 503 at once
+``high``, ``balanced``,         :class:`ServiceUnavailableError` with ``retry_after_s``: never a
+explicit bounds (reject)        silent downgrade below the bound
+``fast`` (best effort)          the cheapest ready branch, ignoring
+                                memory and deadline, the others as fallbacks by cost; reason
+                                ``best-effort``
+==============================  ==================================================================
+
+The decision's ``reason`` (header-safe): ``best-fit:<regime>`` (the primary
+has the best memory-regime fit; regime of its device), ``shifted:<term>`` (a
+branch with a better fit lost; ``term`` is what gained most, e.g. ``load``),
+``only-feasible``, ``near-tie`` (affinity preferred a branch with a slightly
+lower fit), each with ``+affinity`` when prefix affinity broke a near tie;
+``best-effort``; ``wait:reference``; ``pinned`` (:func:`pinned`: the client named
+the branch, and no policy ran). Per-branch :class:`Explanation`\\ s
+are built from the decision's numbers only when read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from quantroute.errors import NotFoundError, ServiceUnavailableError
-from quantroute.routing.table import Branch, RouteTable
+from quantroute.errors import ServiceUnavailableError
+from quantroute.routing import affinity, filters
+from quantroute.routing.filters import MEMORY, QUALITY, READY
+from quantroute.routing.records import BranchState, RequestShape, Row
+from quantroute.routing.requirement import Requirement
+from quantroute.routing.score import (
+    BITS,
+    TERMS,
+    Regime,
+    fidelity_key,
+    reference_bits,
+    regime,
+    score_branches,
+    weights,
+)
+from quantroute.routing.settings import RoutingSettings
 
-RETRY_AFTER_S = 2.0
+__all__ = [
+    "Decision",
+    "Explanation",
+    "FilterCheck",
+    "ScoreTerm",
+    "choose",
+    "explain",
+    "pinned",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class FilterCheck:
+    """One hard filter's verdict on one branch, e.g. ``memory, False, "needs ... > ... free"``."""
+
+    name: str
+    passed: bool
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreTerm:
+    """One score term: its value in [0, 1] and its weight."""
+
+    name: str
+    value: float
+    weight: float
+
+    @property
+    def contribution(self) -> float:
+        """``weight * value``: what the term adds to the score."""
+        return self.weight * self.value
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """Why one branch was or was not chosen.
+
+    ``position`` is its place in the decision (0 = primary, then fallbacks;
+    ``None`` = not chosen); ``score`` and ``terms`` exist only for feasible
+    branches; ``regime`` is that of its device.
+    """
+
+    branch_id: str
+    feasible: bool
+    position: int | None
+    regime: Regime
+    need_bytes: int
+    predicted_ms: float | None
+    filters: tuple[FilterCheck, ...]
+    score: float | None
+    terms: tuple[ScoreTerm, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form, for logs and a debugging endpoint."""
+        return {
+            "branch": self.branch_id,
+            "feasible": self.feasible,
+            "position": self.position,
+            "regime": self.regime.value,
+            "need_bytes": self.need_bytes,
+            "predicted_ms": self.predicted_ms,
+            "filters": [
+                {"name": f.name, "passed": f.passed, "reason": f.reason} for f in self.filters
+            ],
+            "score": self.score,
+            "terms": [{"name": t.name, "value": t.value, "weight": t.weight} for t in self.terms],
+        }
+
+
+class _Trace:
+    """The numbers behind a decision, kept so explanations can be built on demand."""
+
+    __slots__ = (
+        "branches",
+        "chosen",
+        "feasible",
+        "request",
+        "requirement",
+        "rows",
+        "scored",
+        "settings",
+    )
+
+    def __init__(
+        self,
+        requirement: Requirement,
+        request: RequestShape,
+        branches: Sequence[BranchState],
+        rows: Sequence[Row],
+        feasible: Sequence[int],
+        scored: Sequence[tuple[float, tuple[float, ...]]],
+        chosen: Sequence[int],
+        settings: RoutingSettings,
+    ) -> None:
+        self.requirement = requirement
+        self.request = request
+        self.branches = branches
+        self.rows = rows
+        self.feasible = feasible
+        self.scored = scored
+        self.chosen = chosen
+        self.settings = settings
+
+    def explanations(self) -> tuple[Explanation, ...]:
+        scores = dict(zip(self.feasible, self.scored, strict=True))
+        position = {i: n for n, i in enumerate(self.chosen)}
+        term_weights = weights(self.settings)
+        out: list[Explanation] = []
+        for i, b in enumerate(self.branches):
+            row = self.rows[i]
+            checks = tuple(FilterCheck(*c) for c in filters.describe(self.requirement, b, row))
+            s = scores.get(i)
+            out.append(
+                Explanation(
+                    branch_id=b.id,
+                    feasible=not row[0],
+                    position=position.get(i),
+                    regime=regime(b.device_free_bytes, self.settings),
+                    need_bytes=row[1],
+                    predicted_ms=row[3],
+                    filters=checks,
+                    score=None if s is None else s[0],
+                    terms=() if s is None else tuple(map(ScoreTerm, TERMS, s[1], term_weights)),
+                )
+            )
+        return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
+    """The branches of ``model`` to try, in order (primary first), and why.
+
+    ``branch_ids`` is empty only when ``wait_s`` is set: the ``exact`` tier's
+    "wait up to ``wait_s`` for the reference, route again, then 503".
+    ``pinned``: the client named the branch (:func:`pinned`), no policy ran.
+    ``explanations`` are built when read, one per input branch, in input order.
+    """
+
     model: str
-    branches: tuple[Branch, ...]  # primary first, then fallbacks
+    branch_ids: tuple[str, ...]
     reason: str
-    pinned: bool
+    wait_s: float | None = None
+    pinned: bool = False
+    _trace: _Trace | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def primary(self) -> str | None:
+        """The branch to try first (``None`` for a wait)."""
+        return self.branch_ids[0] if self.branch_ids else None
+
+    @property
+    def explanations(self) -> tuple[Explanation, ...]:
+        """Each input branch's filters, score and place in this decision."""
+        return () if self._trace is None else self._trace.explanations()
 
 
-def parse_model_ref(ref: str) -> tuple[str, str | None]:
-    """``"m"`` → ``("m", None)``; ``"m:b"`` → ``("m", "b")``."""
-    model, sep, branch = ref.partition(":")
-    return model, (branch if sep else None)
+def pinned(model: str, branch_id: str, *, ready: bool, retry_after_s: float) -> Decision:
+    """The decision for a request that names its branch (``tiny-llama:q4_k_m``): that
+    branch alone, or a 503 while it does not take traffic. No fallback: the client chose."""
+    if not ready:
+        raise ServiceUnavailableError(
+            f"branch {branch_id} is not ready", retry_after_s=retry_after_s
+        )
+    return Decision(model, (branch_id,), "pinned", pinned=True)
 
 
 def choose(
-    table: RouteTable,
-    model_ref: str,
-    *,
-    degraded: Callable[[str], bool] = lambda branch_id: False,
+    model: str,
+    requirement: Requirement,
+    request: RequestShape,
+    branches: Sequence[BranchState],
+    settings: RoutingSettings,
 ) -> Decision:
-    """The branches to try, in order. ``degraded`` (the drift monitor's verdict)
-    moves a branch behind every faithful one: it is still a fallback, never first."""
-    name, pinned = parse_model_ref(model_ref)
-    route = table.models.get(name)
-    if route is None:
-        known = ", ".join(sorted(table.models)) or "none"
-        raise NotFoundError(
-            f"The requested model does not exist. Models served here: {known}.", param="model"
+    """The primary branch and its fallbacks for one request.
+
+    ``branches`` are the candidates: normally every branch of the requested
+    model (replicas on several devices included), ready or not, so the
+    explanation covers all of them. Ids must be unique. Raises
+    :class:`ServiceUnavailableError` when nothing can serve and the tier says
+    reject (see the module docstring).
+    """
+    rows = filters.evaluate(requirement, request, branches)
+    feasible = [i for i, row in enumerate(rows) if not row[0]]
+    if not feasible:
+        return _nothing_feasible(model, requirement, request, branches, rows, settings)
+
+    scored = score_branches(requirement, branches, rows, feasible, settings)
+    n = len(feasible)
+    if n == 1:
+        order = [0]
+    else:  # best score first; equal scores by id, so the input order never matters
+        ranked = sorted(
+            zip([-s[0] for s in scored], [branches[i].id for i in feasible], range(n), strict=True)
         )
-    if pinned is not None:
-        branch = route.branch(pinned)
-        if branch is None:
-            raise NotFoundError(
-                f"The model {name} has no such branch; its branches are "
-                + ", ".join(b.name for b in route.branches)
-                + ".",
-                param="model",
-            )
-        if not branch.engine.ready:
-            raise ServiceUnavailableError(
-                f"branch {branch.id} is not ready", retry_after_s=RETRY_AFTER_S
-            )
-        return Decision(name, (branch,), "pinned", True)
-    ready = sorted(
-        (b for b in route.branches if b.engine.ready),
-        key=lambda b: (degraded(b.id), b.precision.spec.rank),
+        order = [r[2] for r in ranked]
+
+    tied = 1
+    if n > 1 and request.prefix:
+        floor = scored[order[0]][0] - settings.tie_epsilon
+        for j in order[1 : settings.top_k]:
+            if scored[j][0] < floor:
+                break
+            tied += 1
+        if tied > 1:
+            key = affinity.prefix_key(request.prefix)
+            win = affinity.pick(key, [branches[feasible[j]].id for j in order[:tied]])
+            if win:
+                order.insert(0, order.pop(win))
+
+    chosen = [feasible[j] for j in order]
+    reason = _reason(order, scored, branches[chosen[0]], settings)
+    if tied > 1:
+        reason += "+affinity"
+    trace = _Trace(requirement, request, branches, rows, feasible, scored, chosen, settings)
+    return Decision(model, tuple([branches[i].id for i in chosen]), reason, None, False, trace)
+
+
+def explain(
+    requirement: Requirement,
+    request: RequestShape,
+    branches: Sequence[BranchState],
+    settings: RoutingSettings,
+) -> tuple[Explanation, ...]:
+    """Every branch's filters and score without choosing, e.g. to log why a request got a 503."""
+    rows = filters.evaluate(requirement, request, branches)
+    feasible = [i for i, row in enumerate(rows) if not row[0]]
+    scored = score_branches(requirement, branches, rows, feasible, settings) if feasible else []
+    return _Trace(
+        requirement, request, branches, rows, feasible, scored, (), settings
+    ).explanations()
+
+
+def _reason(
+    order: Sequence[int],
+    scored: Sequence[tuple[float, tuple[float, ...]]],
+    primary: BranchState,
+    settings: RoutingSettings,
+) -> str:
+    if len(order) == 1:
+        return "only-feasible"
+    top = order[0]
+    best_fit = max(order, key=lambda j: scored[j][1][0])
+    fit_gap = scored[best_fit][1][0] - scored[top][1][0]
+    if fit_gap <= 1e-12:
+        return f"best-fit:{regime(primary.device_free_bytes, settings).value}"
+    term_weights = weights(settings)
+    gains = [
+        term_weights[t] * (scored[top][1][t] - scored[best_fit][1][t]) for t in range(1, len(TERMS))
+    ]
+    gain = max(gains)
+    if gain <= 0.0:  # prefix affinity put a near-tied branch with a lower fit first
+        return "near-tie"
+    return f"shifted:{TERMS[1 + gains.index(gain)]}"
+
+
+def _nothing_feasible(
+    model: str,
+    requirement: Requirement,
+    request: RequestShape,
+    branches: Sequence[BranchState],
+    rows: Sequence[Row],
+    settings: RoutingSettings,
+) -> Decision:
+    usable = [i for i, row in enumerate(rows) if not row[0] & READY]
+    if not usable:
+        raise ServiceUnavailableError(
+            "no branch of the model is ready to serve", retry_after_s=settings.retry_after_s
+        )
+    tier = requirement.tier
+    action = "reject" if tier is None else settings.tiers.get(tier).on_infeasible
+
+    if action == "best_effort" and not requirement.bounded:
+        ref_bits = reference_bits(branches)
+        order = sorted(
+            usable,
+            key=lambda i: (
+                BITS[branches[i].precision] / ref_bits[branches[i].model],
+                fidelity_key(branches[i]),
+                branches[i].id,
+            ),
+        )
+        trace = _Trace(requirement, request, branches, rows, (), (), order, settings)
+        return Decision(
+            model, tuple([branches[i].id for i in order]), "best-effort", None, False, trace
+        )
+
+    if action == "wait" and tier is not None:
+        wait_s = _reference_wait(requirement, branches, rows, settings.tiers.get(tier).wait_s)
+        if wait_s is not None:
+            trace = _Trace(requirement, request, branches, rows, (), (), (), settings)
+            return Decision(model, (), "wait:reference", wait_s, False, trace)
+
+    raise ServiceUnavailableError(_unavailable_message(rows), retry_after_s=settings.retry_after_s)
+
+
+def _reference_wait(
+    requirement: Requirement,
+    branches: Sequence[BranchState],
+    rows: Sequence[Row],
+    tier_wait_s: float,
+) -> float | None:
+    """How long waiting for a reference can help, or ``None`` if it cannot."""
+    best: float | None = None
+    deadline = requirement.deadline_ms
+    for b, (fails, need, service, _) in zip(branches, rows, strict=True):
+        if not b.is_reference or fails & QUALITY:
+            continue
+        if fails & MEMORY and need > b.device_total_bytes:
+            continue  # the request would not fit even on an empty device
+        wait_s = tier_wait_s
+        if deadline is not None and service is not None:
+            wait_s = min(wait_s, (deadline - service) / 1000.0)
+        if wait_s > 0 and (best is None or wait_s > best):
+            best = wait_s
+    return best
+
+
+def _unavailable_message(rows: Sequence[Row]) -> str:
+    counts = [(sum(1 for row in rows if row[0] & bit), name) for bit, name in filters.NAMES]
+    reasons = {
+        "ready": "not ready",
+        "quality": "below the quality bound",
+        "memory": "no device memory for it",
+        "deadline": "too slow for the deadline",
+    }
+    why = "; ".join(
+        f"{count} {'branch' if count == 1 else 'branches'} {reasons.get(name, name)}"
+        for count, name in counts
+        if count
     )
-    if not ready:
-        raise ServiceUnavailableError(f"no branch of {name} is ready", retry_after_s=RETRY_AFTER_S)
-    reason = "degraded-branch-only" if degraded(ready[0].id) else "highest-precision-ready"
-    return Decision(name, tuple(ready), reason, False)
+    return (
+        f"no branch of the model can serve this request now ({why}); "
+        "retry later, or relax the quality or deadline"
+    )

@@ -9,8 +9,6 @@ Where it comes from:
 ``x-quantroute-quality``      a tier name, or ``max_kld=0.01,min_top1=0.95`` (either or both)
 ``x-quantroute-deadline-ms``  milliseconds the client will wait, 1 to 3,600,000
 ``timeout`` (body)            the same in seconds, 0.001 to 3,600
-``priority`` (body)           an integer in ``[min_priority, max_priority]`` (default 0);
-                              higher is served first
 ============================  ==============================================================
 
 Without a quality requirement the configured default tier applies and
@@ -56,7 +54,7 @@ _BOUND_KEYS = ("max_kld", "min_top1")
 
 @dataclass(frozen=True, slots=True)
 class Requirement:
-    """A request's quality bounds, deadline and priority.
+    """A request's quality bounds and deadline.
 
     ``tier`` is the named tier the bounds came from (``None`` for bounds given
     as numbers); ``max_kld`` / ``min_top1`` are the resolved bounds (``None``:
@@ -71,7 +69,6 @@ class Requirement:
     max_kld: float | None
     min_top1: float | None
     deadline_ms: float | None
-    priority: int = 0
     explicit: bool = False
 
     @property
@@ -88,16 +85,15 @@ def parse_requirement(
     header_quality: str | None,
     header_deadline_ms: str | None,
     timeout_s: object,
-    priority: object,
     settings: RoutingSettings,
 ) -> Requirement:
     """The requirement of one request; ``None`` means the field or header is absent.
 
     >>> s = RoutingSettings()
-    >>> r = parse_requirement(None, "max_kld=0.01", "250", None, None, s)
+    >>> r = parse_requirement(None, "max_kld=0.01", "250", None, s)
     >>> r.tier, r.max_kld, r.min_top1, r.deadline_ms, r.explicit
     (None, 0.01, None, 250.0, True)
-    >>> parse_requirement(None, None, None, None, None, s).tier
+    >>> parse_requirement(None, None, None, None, s).tier
     <Tier.BALANCED: 'balanced'>
     """
     body = None if body_quality is None else _body_quality(body_quality, settings)
@@ -117,7 +113,6 @@ def parse_requirement(
         max_kld=quality[1],
         min_top1=quality[2],
         deadline_ms=deadline,
-        priority=_priority(priority, settings),
         explicit=explicit,
     )
 
@@ -186,7 +181,7 @@ def _header_quality(value: str, settings: RoutingSettings) -> _Quality:
     return None, bounds.get("max_kld"), bounds.get("min_top1")
 
 
-# ---- deadline and priority --------------------------------------------------------------------
+# ---- deadline --------------------------------------------------------------------
 
 
 def _deadline(header: str | None, timeout_s: object) -> float | None:
@@ -215,18 +210,3 @@ def _deadline(header: str | None, timeout_s: object) -> float | None:
             )
         deadlines.append(ms)
     return min(deadlines) if deadlines else None
-
-
-def _priority(value: object, settings: RoutingSettings) -> int:
-    if value is None:
-        return 0
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or not settings.min_priority <= value <= settings.max_priority
-    ):
-        raise InvalidRequestError(
-            f"priority must be an integer from {settings.min_priority} to {settings.max_priority}",
-            param="priority",
-        )
-    return value

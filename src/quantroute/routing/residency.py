@@ -1,5 +1,8 @@
-"""Which branches should be loaded, as device memory changes. Pure and table-tested;
-the gateway carries the plan out (stops and starts workers) once per device reading.
+"""Which branches should be loaded, as device memory changes.
+
+:func:`plan_residency` is pure and table-tested; :class:`Residency` carries a
+plan out once per device reading (drains, stops and starts engines) and is
+the branches' lifecycle: which of them take routed traffic.
 
 Rules, per device, in order:
 
@@ -17,14 +20,27 @@ Rules, per device, in order:
    branch does not flap at the edge), the most faithful first, one per device
    per reading.
 
-A branch that is loaded takes traffic only after its warm-up (the gateway's
-business: it routes to warm branches only).
+A branch that is loaded takes traffic only once its engine is ready (warmed
+up) and it is not draining.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from quantroute.routing.states import RecentRate
+    from quantroute.routing.table import Branch, RouteTableRef
+    from quantroute.telemetry.occupancy import Occupancy
+    from quantroute.telemetry.placement import MarginPolicy
+    from quantroute.telemetry.poller import DevicePoller
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +51,7 @@ class ResidentBranch:
     footprint_bytes: int
     loaded: bool  # running or starting
     rank: int  # precision rank: 0 is the most faithful
-    heat: float = 0.0  # recent requests per second
+    recent_rate: float = 0.0  # requests per second lately (popularity)
     last_used: float = 0.0  # monotonic time of the last request; 0: never
 
 
@@ -73,7 +89,7 @@ def plan_residency(
         room = free.get(device, 0) + sum(b.footprint_bytes for b in loaded)
         kept: list[ResidentBranch] = []
         # hot first; among the cold, small first: more branches stay loaded
-        for b in sorted(loaded, key=lambda b: (-b.heat, -b.last_used, b.footprint_bytes)):
+        for b in sorted(loaded, key=lambda b: (-b.recent_rate, -b.last_used, b.footprint_bytes)):
             if b.footprint_bytes <= room:
                 kept.append(b)
                 room -= b.footprint_bytes
@@ -118,3 +134,111 @@ def plan_residency(
             devices_loading.add(b.device)
             free[b.device] -= b.footprint_bytes
     return ResidencyPlan(tuple(unload), tuple(load))
+
+
+class Residency:
+    """Carries out residency plans, and says which branches take routed traffic."""
+
+    def __init__(
+        self,
+        routes: RouteTableRef,
+        occupancy: Occupancy,
+        poller: DevicePoller,
+        *,
+        margin: MarginPolicy,
+        popularity: RecentRate,
+        reload_margin_bytes: int,
+    ):
+        self._routes = routes
+        self._occupancy = occupancy
+        self._poller = poller
+        self._margin = margin
+        self._popularity = popularity
+        self._reload_margin_bytes = reload_margin_bytes
+        self._loaded: set[str] = set()  # branches whose engine runs (or starts)
+        self._draining: set[str] = set()  # to unload once their requests finish
+
+    def routable(self, branch: Branch) -> bool:
+        """Takes routed traffic: its engine is ready (warmed up) and it is not draining."""
+        return branch.engine.ready and branch.id not in self._draining
+
+    def loaded(self, branch_id: str) -> bool:
+        return branch_id in self._loaded
+
+    def draining(self, branch_id: str) -> bool:
+        return branch_id in self._draining
+
+    async def start(self, branches: Sequence[Branch]) -> None:
+        """Start the engines of every placed branch (a branch without a device stays down)."""
+        startable = [b for b in branches if self._device(b.id) is not None]
+        self._loaded.update(b.id for b in startable)
+        await asyncio.gather(*(b.engine.start() for b in startable))
+
+    async def run(self, interval_s: float) -> None:
+        """One round per interval, for as long as the server runs."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.apply()
+            except Exception:  # the loop must outlive any one bad reading
+                log.exception("residency: planning failed")
+
+    async def apply(self) -> ResidencyPlan:
+        """One round: plan from the latest device reading, then carry the plan out.
+        A branch to unload first drains (no new traffic), then stops."""
+        snapshot = self._poller.snapshot
+        if snapshot.stale or not snapshot.devices:
+            return ResidencyPlan()  # no trustworthy reading: change nothing
+        headroom = {d.id: self._margin.balance(d) for d in snapshot.devices}
+        roomiest = max(headroom, key=lambda d: headroom[d])
+        now = time.monotonic()
+        residents, branches = [], {}
+        for b in self._routes.current.branches():
+            placement = self._occupancy.get(b.id)
+            if b.engine.model_path is None or placement is None or placement.problem:
+                continue  # costs no local memory, or can never load
+            residents.append(
+                ResidentBranch(
+                    id=b.id,
+                    model=b.model,
+                    device=placement.device or roomiest,
+                    footprint_bytes=self._occupancy.device_bytes(placement.footprint),
+                    loaded=b.id in self._loaded and b.id not in self._draining,
+                    rank=b.precision.spec.rank,
+                    recent_rate=self._popularity.rate(b.id, now),
+                    last_used=self._popularity.last_used(b.id),
+                )
+            )
+            branches[b.id] = b
+        plan = plan_residency(residents, headroom, reload_margin_bytes=self._reload_margin_bytes)
+        self._draining.update(plan.unload)
+        for branch_id in list(self._draining):
+            branch = branches[branch_id]
+            if branch.engine.in_flight == 0:
+                await self._unload(branch)
+        for branch_id in plan.load:
+            device = next(r.device for r in residents if r.id == branch_id)
+            await self._load(branches[branch_id], device)
+        if plan:  # routing and admission should see the devices as they now are
+            await self._poller.poll_once()
+        return plan
+
+    def _device(self, branch_id: str) -> str | None:
+        placement = self._occupancy.get(branch_id)
+        return placement.device if placement is not None else None
+
+    async def _unload(self, branch: Branch) -> None:
+        self._draining.discard(branch.id)
+        self._loaded.discard(branch.id)
+        await branch.engine.stop()
+        self._occupancy.unloaded(branch.id)
+        log.warning("residency: unloaded %s from %s (memory)", branch.id, self._device(branch.id))
+
+    async def _load(self, branch: Branch, device: str) -> None:
+        self._occupancy.move(branch.id, device)
+        placement = self._occupancy.get(branch.id)
+        if placement is not None:
+            branch.engine.offload(placement.offload)
+        self._loaded.add(branch.id)
+        log.info("residency: loading %s on %s", branch.id, device)
+        await branch.engine.start()

@@ -6,11 +6,13 @@ term       weight   value
 fit        1.0      memory-regime fit: ``fit_decay ** level * price`` (below)
 headroom   0.1      device memory left after admitting the request's KV cache, / device total
 load       0.3      ``1 - min(1, occupancy / (parallel * load_saturation))``; occupancy is
-                    running + queued sequences, or ``recent_rate * service time`` when that is
-                    more (Little's law: a burst that has not shown up in the counters yet)
+                    running + queued sequences (each counted once), or ``recent_rate *
+                    service time`` when that is more (Little's law: a burst that has not
+                    shown up in the counters yet)
 latency    0.1      ``1 - predicted / deadline``; 1 without a deadline, 0.5 with unknown speeds
 health     0.2      the device's health factor
-heat       0.05     ``1 - heat``, the device's thermal pressure (0 cool .. 1 throttling)
+heat       0.05     ``1 - heat``, the device's thermal pressure (0 cool .. 1 throttling), from
+                    its temperature (``routing.states.thermal_pressure``)
 =========  =======  ===============================================================================
 
 (``RoutingSettings.weights``; defaults shown.)
@@ -47,16 +49,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
+from quantroute.routing.records import BranchState, Row
+from quantroute.routing.requirement import Requirement
+from quantroute.routing.settings import RoutingSettings
 from quantroute.types import Precision
 
-if TYPE_CHECKING:
-    from quantroute.routing.filters import Row
-    from quantroute.routing.requirement import Requirement
-    from quantroute.routing.scoring import BranchState
-    from quantroute.routing.settings import RoutingSettings
-
+# The score terms, in the one order every tuple of term values and weights follows.
 TERMS = ("fit", "headroom", "load", "latency", "health", "heat")
 
 BITS: dict[Precision, float] = {p: p.spec.bits_per_weight for p in Precision}
@@ -69,6 +68,11 @@ class Regime(StrEnum):
     AMPLE = "ample"
     CONSTRAINED = "constrained"
     TIGHT = "tight"
+
+
+def weights(settings: RoutingSettings) -> tuple[float, ...]:
+    """The score's weights in the order of :data:`TERMS`."""
+    return tuple(getattr(settings.weights, term) for term in TERMS)
 
 
 def regime(free_bytes: int, settings: RoutingSettings) -> Regime:
@@ -134,9 +138,7 @@ def score_branches(
         previous[model] = (key, n)
         level[j] = n
 
-    w = settings.weights
-    w_fit, w_headroom, w_load = w.fit, w.headroom, w.load
-    w_latency, w_health, w_heat = w.latency, w.health, w.heat
+    w_fit, w_headroom, w_load, w_latency, w_health, w_heat = weights(settings)
     decay = settings.fit_decay
     ratio = settings.constrained_cost_ratio
     ample = settings.ample_free_bytes
@@ -162,7 +164,7 @@ def score_branches(
         headroom = (free - need) / total if total > 0 else 0.0
         headroom = 0.0 if headroom < 0.0 else (1.0 if headroom > 1.0 else headroom)
 
-        occupancy = float(b.in_flight + b.queue_depth)
+        occupancy = float(b.running + b.queued)
         if b.recent_rate > 0.0 and service is not None:
             mean = b.mean_service_ms
             recent = b.recent_rate * (service if mean is None else mean) / 1000.0

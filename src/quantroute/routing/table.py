@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from quantroute.errors import NotFoundError
 from quantroute.types import Precision
 
 if TYPE_CHECKING:
@@ -44,6 +45,11 @@ class ModelRoute:
     def branch(self, name: str) -> Branch | None:
         return next((b for b in self.branches if b.name == name), None)
 
+    def by_id(self, branch_ids: tuple[str, ...]) -> tuple[Branch, ...]:
+        """The branches of a decision, in its order."""
+        index = {b.id: b for b in self.branches}
+        return tuple(index[i] for i in branch_ids)
+
 
 @dataclass(frozen=True, slots=True)
 class RouteTable:
@@ -63,3 +69,32 @@ class RouteTableRef:
 
     def __init__(self, table: RouteTable):
         self.current = table
+
+
+def parse_model_ref(ref: str) -> tuple[str, str | None]:
+    """``"m"`` → ``("m", None)``; ``"m:b"`` → ``("m", "b")``."""
+    model, sep, branch = ref.partition(":")
+    return model, (branch if sep else None)
+
+
+def lookup(table: RouteTable, ref: str) -> tuple[ModelRoute, Branch | None]:
+    """The model a request names, and its pinned branch if it names one (``m:b``).
+    An unknown model or branch is a 404 that lists what is served, never a default."""
+    name, pinned = parse_model_ref(ref)
+    route = table.models.get(name)
+    if route is None:
+        known = ", ".join(sorted(table.models)) or "none"
+        raise NotFoundError(
+            f"The requested model does not exist. Models served here: {known}.", param="model"
+        )
+    if pinned is None:
+        return route, None
+    branch = route.branch(pinned)
+    if branch is None:
+        raise NotFoundError(
+            f"The model {name} has no such branch; its branches are "
+            + ", ".join(b.name for b in route.branches)
+            + ".",
+            param="model",
+        )
+    return route, branch

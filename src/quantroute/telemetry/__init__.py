@@ -29,6 +29,7 @@ from quantroute.telemetry.memory import (
     used_delta,
 )
 from quantroute.telemetry.nvml import NvmlProvider
+from quantroute.telemetry.occupancy import Occupancy, Placement, PlacementRequest
 from quantroute.telemetry.placement import MarginPolicy, place
 from quantroute.telemetry.poller import DevicePoller, backoff_delay
 from quantroute.telemetry.protocol import DeviceProvider
@@ -84,6 +85,9 @@ __all__ = [
     "MigInstance",
     "ModelShape",
     "NvmlProvider",
+    "Occupancy",
+    "Placement",
+    "PlacementRequest",
     "SimDeviceProvider",
     "SimSpec",
     "SmiProvider",

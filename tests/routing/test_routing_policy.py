@@ -10,15 +10,10 @@ from typing import Any
 import pytest
 
 from quantroute.errors import ServiceUnavailableError
+from quantroute.routing.policy import Decision, choose, explain
+from quantroute.routing.records import BranchState, RequestShape
 from quantroute.routing.requirement import Requirement, parse_requirement
 from quantroute.routing.score import Regime
-from quantroute.routing.scoring import (
-    BranchState,
-    RequestShape,
-    RouteDecision,
-    choose_branch,
-    explain,
-)
 from quantroute.routing.settings import GiB, RoutingSettings, Tier
 from quantroute.types import Precision
 
@@ -69,7 +64,7 @@ def demo(free: float = 16 * GiB, **live: dict[str, Any]) -> list[BranchState]:
 def req(
     quality: object = None, deadline_ms: str | None = None, settings: RoutingSettings = S
 ) -> Requirement:
-    return parse_requirement(quality, None, deadline_ms, None, None, settings)
+    return parse_requirement(quality, None, deadline_ms, None, settings)
 
 
 def route(
@@ -77,11 +72,11 @@ def route(
     requirement: Requirement | None = None,
     shape: RequestShape = SHAPE,
     settings: RoutingSettings = S,
-) -> RouteDecision:
-    decision = choose_branch(requirement or req(), shape, branches, settings)
+) -> Decision:
+    decision = choose("tiny-llama", requirement or req(), shape, branches, settings)
     # the input order never matters
     for perm in itertools.islice(itertools.permutations(branches), 1, 6):
-        again = choose_branch(requirement or req(), shape, list(perm), settings)
+        again = choose("tiny-llama", requirement or req(), shape, list(perm), settings)
         assert (again.branch_ids, again.reason) == (decision.branch_ids, decision.reason)
     return decision
 
@@ -144,11 +139,11 @@ def test_no_silent_downgrade_below_the_bound(quality: object) -> None:
     # the reference has no room; q8_0 and q4_k_m do, but they do not meet the bound
     branches = demo(4 * GiB)
     branches[0] = replace(branches[0], device="sim:1", device_free_bytes=1 * GiB)
-    branches[1] = replace(branches[1], breaker_open=True)
+    branches[1] = replace(branches[1], ready=False)
     if quality in (None, "balanced"):
         branches[2] = replace(branches[2], degraded=True)
     with pytest.raises(ServiceUnavailableError) as info:
-        choose_branch(req(quality), BIG, branches, S)
+        choose("tiny-llama", req(quality), BIG, branches, S)
     assert info.value.retry_after_s == S.retry_after_s
     assert info.value.status == 503
     assert "memory" in info.value.message and "quality" in info.value.message
@@ -164,7 +159,7 @@ def test_exact_waits_for_the_reference() -> None:
     assert decision.wait_s == pytest.approx(2.0, abs=0.01)
     # the same bound given as numbers is not the tier: a 503, no wait
     with pytest.raises(ServiceUnavailableError):
-        choose_branch(req({"max_kld": 0}), SHAPE, branches, S)
+        choose("tiny-llama", req({"max_kld": 0}), SHAPE, branches, S)
 
 
 @pytest.mark.parametrize(
@@ -179,19 +174,19 @@ def test_exact_does_not_wait_when_waiting_cannot_help(
 ) -> None:
     shape = BIG if deadline is None else SHAPE
     with pytest.raises(ServiceUnavailableError):
-        choose_branch(req("exact", deadline), shape, demo(16 * GiB, **live), S)
+        choose("tiny-llama", req("exact", deadline), shape, demo(16 * GiB, **live), S)
 
 
 def test_exact_without_a_reference_in_the_table_is_503() -> None:
     with pytest.raises(ServiceUnavailableError):
-        choose_branch(req("exact"), SHAPE, demo()[1:], S)
+        choose("tiny-llama", req("exact"), SHAPE, demo()[1:], S)
 
 
 @pytest.mark.parametrize("quality", ["exact", "high", "balanced", "fast", {"max_kld": 1.0}])
 def test_nothing_ready_is_503_for_every_tier(quality: object) -> None:
-    branches = demo(f16={"ready": False}, q8_0={"breaker_open": True}, q4_k_m={"ready": False})
+    branches = demo(f16={"ready": False}, q8_0={"ready": False}, q4_k_m={"ready": False})
     with pytest.raises(ServiceUnavailableError) as info:
-        choose_branch(req(quality), SHAPE, branches, S)
+        choose("tiny-llama", req(quality), SHAPE, branches, S)
     assert info.value.retry_after_s == S.retry_after_s
 
 
@@ -199,7 +194,7 @@ def test_nothing_ready_is_503_for_every_tier(quality: object) -> None:
     ("live", "ids"),
     [
         ({}, (Q4, Q8, F16)),
-        ({"q4_k_m": {"breaker_open": True}}, (Q8, F16)),
+        ({"q4_k_m": {"ready": False}}, (Q8, F16)),
         ({"q4_k_m": {"ready": False}, "q8_0": {"degraded": True}}, (Q8, F16)),
     ],
 )
@@ -210,7 +205,7 @@ def test_fast_is_best_effort_cheapest_ready(
     decision = route(demo(1 * GiB, **live), req("fast"), shape=BIG)
     assert (decision.branch_ids, decision.reason) == (ids, "best-effort")
     with pytest.raises(ServiceUnavailableError):
-        choose_branch(req("balanced"), BIG, demo(1 * GiB, **live), S)
+        choose("tiny-llama", req("balanced"), BIG, demo(1 * GiB, **live), S)
 
 
 # ---- filters ----------------------------------------------------------------------------------
@@ -219,7 +214,6 @@ def test_fast_is_best_effort_cheapest_ready(
 @pytest.mark.parametrize(
     ("live", "quality", "ids"),
     [
-        ({"q8_0": {"breaker_open": True}}, None, (Q4, F16)),
         ({"q8_0": {"ready": False}}, None, (Q4, F16)),
         ({"q8_0": {"degraded": True}}, None, (Q4, F16)),
         ({"q8_0": {"degraded": True}}, "fast", (Q8, Q4, F16)),  # fast has no bound to fail
@@ -256,13 +250,13 @@ def test_hard_filters(
         ("40", {}, (Q4,)),
         ("20", {}, None),  # nothing is that fast: balanced -> 503
         # queue wait: 4 queued + all 4 slots busy = 5 ahead, each 25.6 ms / 4 slots: 57.6 ms
-        ("40", {"q4_k_m": {"in_flight": 4, "queue_depth": 4}}, None),
-        ("60", {"q4_k_m": {"in_flight": 4, "queue_depth": 4}}, (Q8, Q4)),
-        ("60", {"q4_k_m": {"in_flight": 4, "queue_depth": 8}}, (Q8,)),  # 83.2 ms
-        ("60", {"q4_k_m": {"in_flight": 3}}, (Q8, Q4)),  # a slot is free: no wait
+        ("40", {"q4_k_m": {"running": 4, "queued": 4}}, None),
+        ("60", {"q4_k_m": {"running": 4, "queued": 4}}, (Q8, Q4)),
+        ("60", {"q4_k_m": {"running": 4, "queued": 8}}, (Q8,)),  # 83.2 ms
+        ("60", {"q4_k_m": {"running": 3}}, (Q8, Q4)),  # a slot is free: no wait
         # a measured mean service time replaces the estimate
-        ("60", {"q4_k_m": {"queue_depth": 1, "mean_service_ms": 100.0, "in_flight": 4}}, (Q8,)),
-        ("60", {"q4_k_m": {"queue_depth": 1, "mean_service_ms": 10.0, "in_flight": 4}}, (Q8, Q4)),
+        ("60", {"q4_k_m": {"queued": 1, "mean_service_ms": 100.0, "running": 4}}, (Q8,)),
+        ("60", {"q4_k_m": {"queued": 1, "mean_service_ms": 10.0, "running": 4}}, (Q8, Q4)),
         # unknown speeds pass the deadline filter
         ("1", {"q8_0": {"prefill_tps": None}}, (Q8,)),
     ],
@@ -274,7 +268,7 @@ def test_deadline_filter(
     branches = demo(24 * GiB, **live)
     if ids is None:
         with pytest.raises(ServiceUnavailableError):
-            choose_branch(requirement, SHAPE, branches, S)
+            choose("tiny-llama", requirement, SHAPE, branches, S)
     else:
         assert route(branches, requirement).branch_ids == ids
 
@@ -282,7 +276,7 @@ def test_deadline_filter(
 def test_a_feasible_deadline_prefers_more_slack() -> None:
     # two q8_0 replicas, one with a queue: with a deadline the idle one's slack counts too
     a = branch("q8_0", device="sim:0")
-    b = branch("q8_0@1", device="sim:1", queue_depth=1, in_flight=4)
+    b = branch("q8_0@1", device="sim:1", queued=1, running=4)
     scores = {e.branch_id: e.terms[3].value for e in explain(req(None, "200"), SHAPE, [a, b], S)}
     assert scores[a.id] == pytest.approx(1 - 54.6 / 200, abs=0.001)
     assert scores[a.id] > scores[b.id] > 0
@@ -295,17 +289,17 @@ def test_a_feasible_deadline_prefers_more_slack() -> None:
     ("free", "live", "quality", "primary", "reason"),
     [
         # constrained: q8_0 is the fit; full, it loses to an idle q4_k_m
-        (6 * GiB, {"q8_0": {"in_flight": 4, "queue_depth": 4}}, None, Q4, "shifted:load"),
-        (6 * GiB, {"q8_0": {"in_flight": 2}}, None, Q8, "best-fit:constrained"),
+        (6 * GiB, {"q8_0": {"running": 4, "queued": 4}}, None, Q4, "shifted:load"),
+        (6 * GiB, {"q8_0": {"running": 2}}, None, Q8, "best-fit:constrained"),
         # a burst not yet in the counters: 100 req/s * 54.6 ms = 5.5 busy slots
-        (6 * GiB, {"q8_0": {"recent_rate": 100.0, "in_flight": 1}}, None, Q4, "shifted:load"),
-        (6 * GiB, {"q8_0": {"recent_rate": 1.0, "in_flight": 1}}, None, Q8, "best-fit:constrained"),
+        (6 * GiB, {"q8_0": {"recent_rate": 100.0, "running": 1}}, None, Q4, "shifted:load"),
+        (6 * GiB, {"q8_0": {"recent_rate": 1.0, "running": 1}}, None, Q8, "best-fit:constrained"),
         # ample: a saturated reference gives way to an idle q8_0 (near-lossless)...
-        (24 * GiB, {"f16": {"in_flight": 4, "queue_depth": 4}}, None, Q8, "shifted:load"),
-        (24 * GiB, {"f16": {"in_flight": 2}}, None, F16, "best-fit:ample"),
+        (24 * GiB, {"f16": {"running": 4, "queued": 4}}, None, Q8, "shifted:load"),
+        (24 * GiB, {"f16": {"running": 2}}, None, F16, "best-fit:ample"),
         # ...but load never overrides a hard filter
-        (24 * GiB, {"f16": {"in_flight": 4, "queue_depth": 40}}, ONLY_F16, F16, "only-feasible"),
-        (6 * GiB, {"q8_0": {"in_flight": 4, "queue_depth": 40}}, "high", F16, "shifted:load"),
+        (24 * GiB, {"f16": {"running": 4, "queued": 40}}, ONLY_F16, F16, "only-feasible"),
+        (6 * GiB, {"q8_0": {"running": 4, "queued": 40}}, "high", F16, "shifted:load"),
         # health and heat of the device shift near-equal choices too
         (
             6 * GiB,
@@ -352,7 +346,7 @@ def test_custom_thresholds_and_weights() -> None:
         {"ample_free_bytes": 2 * GiB, "tight_free_bytes": GiB, "weights": {"load": 0.0}}
     )
     assert route(demo(3 * GiB), settings=settings).primary == F16
-    full = demo(6 * GiB, q8_0={"in_flight": 4, "queue_depth": 4})
+    full = demo(6 * GiB, q8_0={"running": 4, "queued": 4})
     assert route(full, settings=settings).primary == F16
     assert route(full).primary == Q4
 
@@ -369,7 +363,7 @@ def test_same_prefix_same_branch_across_calls_and_orders() -> None:
     for prefix in ("def main():\n", "import os\n", "", "\ud800 lone surrogate"):
         shape = RequestShape(512, 256, prefix)
         picks = {
-            choose_branch(req(), shape, list(perm), S).primary
+            choose("tiny-llama", req(), shape, list(perm), S).primary
             for perm in itertools.permutations(branches)
         }
         assert len(picks) == 1
@@ -378,12 +372,12 @@ def test_same_prefix_same_branch_across_calls_and_orders() -> None:
 def test_different_prefixes_spread_over_the_tied_branches() -> None:
     branches = replicas(2)
     picks = Counter(
-        choose_branch(req(), RequestShape(512, 256, f"prompt {k}"), branches, S).primary
+        choose("tiny-llama", req(), RequestShape(512, 256, f"prompt {k}"), branches, S).primary
         for k in range(400)
     )
     assert set(picks) == {b.id for b in branches}
     assert min(picks.values()) > 140  # 400 fair coin flips: 200 +- 3 sigma
-    decision = choose_branch(req(), RequestShape(512, 256, "prompt 0"), branches, S)
+    decision = choose("tiny-llama", req(), RequestShape(512, 256, "prompt 0"), branches, S)
     assert decision.reason == "best-fit:constrained+affinity"
     assert set(decision.branch_ids) == {b.id for b in branches}
 
@@ -392,35 +386,38 @@ def test_affinity_only_among_top_k_within_epsilon() -> None:
     three = replicas(3)
     shapes = [RequestShape(512, 256, f"p{k}") for k in range(200)]
     # top_k 2: the third replica (last by id among equals) is never primary
-    assert {choose_branch(req(), s, three, S).primary for s in shapes} == {
+    assert {choose("tiny-llama", req(), s, three, S).primary for s in shapes} == {
         three[0].id,
         three[1].id,
     }
     one = RoutingSettings(top_k=1)
-    assert {choose_branch(req(), s, three, one).primary for s in shapes} == {three[0].id}
+    assert {choose("tiny-llama", req(), s, three, one).primary for s in shapes} == {three[0].id}
     # outside epsilon the better score wins whatever the prefix
-    busier = [three[0], replace(three[1], in_flight=2)]  # load term 0.75: 0.075 below
-    assert {choose_branch(req(), s, busier, S).primary for s in shapes} == {three[0].id}
+    busier = [three[0], replace(three[1], running=2)]  # load term 0.75: 0.075 below
+    assert {choose("tiny-llama", req(), s, busier, S).primary for s in shapes} == {three[0].id}
     # no prefix: no affinity, the top score (then id) wins
-    assert choose_branch(req(), RequestShape(512, 256), three, S).reason == "best-fit:constrained"
+    assert (
+        choose("tiny-llama", req(), RequestShape(512, 256), three, S).reason
+        == "best-fit:constrained"
+    )
 
 
 # ---- explanations -----------------------------------------------------------------------------
 
 
 def test_explanations_cover_every_branch_in_input_order() -> None:
-    branches = demo(6 * GiB, q4_k_m={"breaker_open": True})
-    decision = choose_branch(req("high"), SHAPE, branches, S)
+    branches = demo(6 * GiB, q4_k_m={"ready": False})
+    decision = choose("tiny-llama", req("high"), SHAPE, branches, S)
     ex = {e.branch_id: e for e in decision.explanations}
     assert [e.branch_id for e in decision.explanations] == [F16, Q8, Q4]
     assert (ex[Q8].position, ex[F16].position, ex[Q4].position) == (0, 1, None)
     assert ex[Q8].regime is Regime.CONSTRAINED and ex[Q8].need_bytes == 48 * 2**20
 
     q4 = {f.name: f for f in ex[Q4].filters}
-    assert [f.name for f in ex[Q4].filters] == ["ready", "breaker", "quality", "memory", "deadline"]
-    assert not q4["breaker"].passed and q4["breaker"].reason == "open"
+    assert [f.name for f in ex[Q4].filters] == ["ready", "quality", "memory", "deadline"]
+    assert not q4["ready"].passed and q4["ready"].reason == "not ready"
     assert not q4["quality"].passed and q4["quality"].reason.startswith("mean_kld 0.0103 > 0.001")
-    assert q4["memory"].passed and q4["ready"].passed
+    assert q4["memory"].passed
     assert not ex[Q4].feasible and ex[Q4].score is None and ex[Q4].terms == ()
 
     q8 = ex[Q8]
@@ -428,7 +425,7 @@ def test_explanations_cover_every_branch_in_input_order() -> None:
     assert [t.name for t in q8.terms] == ["fit", "headroom", "load", "latency", "health", "heat"]
     assert q8.terms[0].value == pytest.approx(0.8) and q8.terms[0].weight == 1.0
     assert ex[F16].terms[0].value == pytest.approx(0.6)
-    assert q8.to_dict()["filters"][2] == {
+    assert q8.to_dict()["filters"][1] == {
         "name": "quality",
         "passed": True,
         "reason": "mean_kld 0.00027 <= 0.001, top1 0.991 >= 0.98",
@@ -465,9 +462,9 @@ def test_explained_reasons(
 
 
 def test_wait_and_best_effort_decisions_explain_too() -> None:
-    wait = choose_branch(req("exact"), SHAPE, demo(f16={"ready": False}), S)
+    wait = choose("tiny-llama", req("exact"), SHAPE, demo(f16={"ready": False}), S)
     assert [e.position for e in wait.explanations] == [None, None, None]
-    best = choose_branch(req("fast"), BIG, demo(1 * GiB), S)
+    best = choose("tiny-llama", req("fast"), BIG, demo(1 * GiB), S)
     assert [e.position for e in best.explanations] == [2, 1, 0]
     assert all(not e.feasible for e in best.explanations)
 
@@ -480,7 +477,7 @@ def test_affinity_across_a_fit_gap_says_near_tie() -> None:
     wide = RoutingSettings(tie_epsilon=0.5)  # q8_0 (0.8) and q4_k_m (0.64) now tie
     seen: dict[str, set[str]] = {}
     for k in range(100):
-        d = choose_branch(req(), RequestShape(512, 256, f"p{k}"), demo(6 * GiB), wide)
+        d = choose("tiny-llama", req(), RequestShape(512, 256, f"p{k}"), demo(6 * GiB), wide)
         seen.setdefault(d.primary or "", set()).add(d.reason)
     assert seen == {
         Q8: {"best-fit:constrained+affinity"},
@@ -490,6 +487,6 @@ def test_affinity_across_a_fit_gap_says_near_tie() -> None:
 
 def test_a_zero_deadline_built_by_hand_does_not_divide_by_zero() -> None:
     requirement = Requirement(None, None, None, deadline_ms=0.0)
-    decision = choose_branch(requirement, RequestShape(0, 0), demo(), S)
+    decision = choose("tiny-llama", requirement, RequestShape(0, 0), demo(), S)
     assert decision.primary == F16
     assert decision.explanations[0].terms[3].value == 0.0

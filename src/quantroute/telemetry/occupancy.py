@@ -1,0 +1,328 @@
+"""Where each branch lives and what it occupies there: placement, footprints, accounting.
+
+:class:`Occupancy` owns one :class:`Placement` per branch. At start it places
+every branch (:meth:`place_all`): the memory model estimates the footprint
+from the model file's header, and :func:`~quantroute.telemetry.placement.place`
+picks the device with the most headroom times health, reserving as it goes so
+two branches never count the same free bytes. Then, as workers come and go:
+
+- a branch that becomes ready is **measured** (:meth:`measure`): its worker's
+  RSS on the CPU, or its per-process memory from NVML on a GPU, replaces the
+  estimate (the estimate stays where the driver hides the process);
+- on a simulated device the branch's bytes are attached while it is loaded
+  and detached when it stops, so the device's used memory moves as a real
+  one's would; :meth:`admit` fails a request as an allocation would once
+  such a device is over its budget.
+
+Devices a branch may use, in order: simulated devices when there are any
+(tests and demos); else CUDA devices when the llama.cpp build can offload
+(``gpu_offload``), fully offloaded (``n_gpu_layers == -1``) or, where no GPU
+holds the whole branch, as many layers as fit on the roomiest one; else the
+host ``cpu``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantroute.errors import ConfigError
+from quantroute.telemetry.health import HealthTracker
+from quantroute.telemetry.memory import (
+    WORKER_RUNTIME_BYTES,
+    Footprint,
+    estimate_footprint,
+    kv_cache_bytes,
+    measure_process_rss,
+    process_gpu_bytes,
+    read_model_shape,
+)
+from quantroute.telemetry.placement import MarginPolicy, place
+from quantroute.telemetry.poller import DevicePoller
+from quantroute.telemetry.sim import SimDeviceProvider
+from quantroute.telemetry.stats import DeviceKind, DeviceStats, InsufficientMemoryError
+from quantroute.types import Offload
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Occupancy", "Placement", "PlacementRequest", "partial_offload"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRequest:
+    """A branch to place: its id and the local model file (``None``: costs nothing here)."""
+
+    branch_id: str
+    model_path: Path | None
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a branch runs. ``device`` is ``None`` when nothing had room (or its file could
+    not be read: ``problem`` says why); the branch is then not started."""
+
+    device: str | None
+    footprint: Footprint
+    kv_bytes_per_token: int = 0  # what one more token of context costs the device
+    n_layer: int = 0
+    n_gpu_layers: int = 0  # offloaded layers on a cuda device (-1: all)
+    problem: str | None = None
+
+    @property
+    def gpu(self) -> int | None:
+        """The CUDA device index (NVML order) of a branch on ``cuda:N``."""
+        if self.device is None or not self.device.startswith("cuda:"):
+            return None
+        return int(self.device.partition(":")[2])
+
+    @property
+    def offload(self) -> Offload:
+        """What the engine is told: the GPU and its layers, or the CPU."""
+        gpu = self.gpu
+        return Offload(gpu, self.n_gpu_layers if gpu is not None else 0)
+
+
+def partial_offload(footprint: Footprint, n_layer: int, layers: int) -> Footprint:
+    """The GPU share of a branch with ``layers`` of ``n_layer`` offloaded: weights and KV
+    cache by layer, the compute buffers and CUDA context whole."""
+    share = min(max(layers, 0), n_layer) / n_layer if n_layer else 1.0
+    return dataclasses.replace(
+        footprint,
+        weights_bytes=math.ceil(footprint.weights_bytes * share),
+        kv_bytes=math.ceil(footprint.kv_bytes * share),
+        measured_bytes=None,
+    )
+
+
+def layers_that_fit(footprint: Footprint, n_layer: int, room: int) -> int:
+    """How many layers of a branch fit in ``room`` bytes of a GPU (0 to ``n_layer``)."""
+    fixed = footprint.compute_bytes + footprint.overhead_bytes + footprint.runtime_bytes
+    per_layer = (footprint.weights_bytes + footprint.kv_bytes) / max(n_layer, 1)
+    if per_layer <= 0:
+        return n_layer
+    return max(0, min(n_layer, math.floor((room - fixed) / per_layer)))
+
+
+class Occupancy:
+    """The placements of all branches and the device accounting that goes with them."""
+
+    def __init__(
+        self,
+        poller: DevicePoller,
+        *,
+        health: HealthTracker,
+        margin: MarginPolicy,
+        n_ctx: int,
+        parallel: int,
+        n_batch: int,
+        n_gpu_layers: int = -1,
+        gpu_offload: bool = False,
+        sim: SimDeviceProvider | None = None,
+        sim_weight_scale: float = 1.0,
+    ):
+        self._poller = poller
+        self._health = health
+        self._margin = margin
+        self._n_ctx = n_ctx
+        self._parallel = parallel
+        self._n_batch = n_batch
+        self._n_gpu_layers = n_gpu_layers
+        self.gpu_offload = gpu_offload  # the llama.cpp build can offload (set once probed)
+        self._sim = sim
+        self._sim_weight_scale = sim_weight_scale
+        self._placements: dict[str, Placement] = {}
+
+    @property
+    def placements(self) -> Mapping[str, Placement]:
+        return self._placements
+
+    def get(self, branch_id: str) -> Placement | None:
+        return self._placements.get(branch_id)
+
+    @property
+    def sim(self) -> SimDeviceProvider | None:
+        """The simulated devices, when there are any (tests, demos, admin pressure)."""
+        return self._sim
+
+    # -- placing --------------------------------------------------------------
+
+    def estimate(self, path: Path | None, kind: DeviceKind) -> tuple[Footprint, int, int]:
+        """``(footprint, KV bytes per token, layers)`` of a branch on a device of ``kind``.
+        Raises :class:`ConfigError` when the model file can't be read."""
+        if path is None:
+            return Footprint(0, 0, 0, 0), 0, 0
+        shape = read_model_shape(path)
+        n_ctx = self._n_ctx or shape.n_ctx_train
+        footprint = estimate_footprint(
+            shape,
+            n_ctx,
+            n_parallel=self._parallel,
+            n_batch=self._n_batch,
+            device=DeviceKind.CPU if kind is DeviceKind.SIM else kind,
+            runtime_bytes=WORKER_RUNTIME_BYTES if kind is not DeviceKind.CUDA else 0,
+        )
+        return footprint, kv_cache_bytes(shape, 1), shape.n_layer
+
+    def device_bytes(self, footprint: Footprint) -> int:
+        """What a branch occupies on its device: its footprint, with the weights scaled by
+        ``sim_weight_scale`` on simulated devices."""
+        if self._sim is None or self._sim_weight_scale == 1.0:
+            return footprint.bytes
+        return footprint.bytes + round(footprint.weights_bytes * (self._sim_weight_scale - 1.0))
+
+    def place_all(self, branches: Sequence[PlacementRequest]) -> None:
+        """Place every branch, in order, on the devices of the latest reading."""
+        snapshot = self._poller.snapshot
+        devices = list(snapshot.devices)
+        for request in branches:
+            placement = self._place_one(request, devices)
+            self._placements[request.branch_id] = placement
+            if placement.device is not None:
+                need = self.device_bytes(placement.footprint)
+                devices = [_reserve(d, need) if d.id == placement.device else d for d in devices]
+
+    def _kinds(self, devices: Sequence[DeviceStats]) -> list[DeviceKind]:
+        present = {d.kind for d in devices}
+        if DeviceKind.SIM in present:
+            return [DeviceKind.SIM]
+        if self.gpu_offload and DeviceKind.CUDA in present and self._n_gpu_layers != 0:
+            return [DeviceKind.CUDA, DeviceKind.CPU]
+        return [DeviceKind.CPU]
+
+    def _place_one(self, request: PlacementRequest, devices: Sequence[DeviceStats]) -> Placement:
+        branch_id = request.branch_id
+        if not devices:  # no reading at all: the host, unaccounted
+            return Placement("cpu", Footprint(0, 0, 0, 0))
+        problem = "no device"
+        topology = self._poller.snapshot.topology
+        health = self._health.factors(d.id for d in devices)
+        for kind in self._kinds(devices):
+            try:
+                footprint, kv_per_token, n_layer = self.estimate(request.model_path, kind)
+            except ConfigError as exc:
+                log.error("%s: not started: %s", branch_id, exc.message)
+                return Placement(None, Footprint(0, 0, 0, 0), problem=exc.message)
+            layers = self._n_gpu_layers if kind is DeviceKind.CUDA else 0
+            if kind is DeviceKind.CUDA and layers > 0:  # a set number of layers
+                footprint = partial_offload(footprint, n_layer, layers)
+            try:
+                device = place(
+                    self.device_bytes(footprint),
+                    devices,
+                    topology,
+                    health,
+                    kinds={kind},
+                    margin=self._margin,
+                )[0]
+                return Placement(device, footprint, kv_per_token, n_layer, layers)
+            except InsufficientMemoryError as exc:
+                problem = exc.message
+            if kind is DeviceKind.CUDA and self._n_gpu_layers == -1:
+                partial = self._partial(footprint, kv_per_token, n_layer, devices, health)
+                if partial is not None:
+                    return partial
+        log.error("%s: not started: %s", branch_id, problem)
+        return Placement(None, Footprint(0, 0, 0, 0), problem=problem)
+
+    def _partial(
+        self,
+        footprint: Footprint,
+        kv_per_token: int,
+        n_layer: int,
+        devices: Sequence[DeviceStats],
+        health: Mapping[str, float],
+    ) -> Placement | None:
+        """As many layers as fit on the GPU with the most room (scaled by health)."""
+        gpus = [
+            d
+            for d in devices
+            if d.kind is DeviceKind.CUDA and d.healthy and health.get(d.id, 1.0) > 0
+        ]
+        if not gpus:
+            return None
+        best = max(gpus, key=lambda d: (self._margin.headroom(d) * health.get(d.id, 1.0), d.id))
+        layers = layers_that_fit(footprint, n_layer, self._margin.headroom(best))
+        if layers < 1:
+            return None
+        log.info("partial offload: %d of %d layers fit on %s", layers, n_layer, best.id)
+        return Placement(
+            best.id,
+            partial_offload(footprint, n_layer, layers),
+            kv_per_token,
+            n_layer,
+            layers,
+        )
+
+    def move(self, branch_id: str, device: str) -> None:
+        self._placements[branch_id] = dataclasses.replace(
+            self._placements[branch_id], device=device
+        )
+
+    # -- accounting -------------------------------------------------------------
+
+    def loaded(self, branch_id: str) -> None:
+        """The branch's worker is up: a simulated device holds its bytes from now on."""
+        placement = self._placements.get(branch_id)
+        if self._sim is not None and placement is not None and placement.device is not None:
+            self._sim.attach(placement.device, branch_id, self.device_bytes(placement.footprint))
+
+    def unloaded(self, branch_id: str, *, crashed: bool = False) -> None:
+        """The branch's worker stopped (``crashed``: unasked, which counts against its
+        device's health)."""
+        placement = self._placements.get(branch_id)
+        if placement is None or placement.device is None:
+            return
+        if self._sim is not None:
+            self._sim.detach(placement.device, branch_id)
+        if crashed:
+            self._health.record_failure(placement.device, "worker_exit")
+
+    async def measure(self, branch_id: str, pid: int | None) -> None:
+        """Replace the branch's estimate by what its process really holds on its device."""
+        placement = self._placements.get(branch_id)
+        if placement is None or placement.device is None or pid is None:
+            return
+        try:
+            if placement.gpu is not None:
+                await self._poller.poll_once()
+                device = self._poller.snapshot.device(placement.device)
+                measured = process_gpu_bytes(device, pid) if device is not None else None
+                if measured is None:
+                    log.info("%s: the driver lists no memory for pid %d", branch_id, pid)
+                    return
+            else:
+                measured = measure_process_rss(pid)
+        except (ProcessLookupError, OSError) as exc:
+            log.warning("%s: footprint not measured: %s", branch_id, exc)
+            return
+        footprint = placement.footprint.with_measurement(measured)
+        self._placements[branch_id] = dataclasses.replace(placement, footprint=footprint)
+        self.loaded(branch_id)
+        log.info(
+            "%s: footprint %d MiB measured, %d MiB estimated",
+            branch_id,
+            footprint.bytes >> 20,
+            footprint.estimated_bytes >> 20,
+        )
+
+    def admit(self, branch_id: str) -> bool:
+        """Whether a request may open on the branch now: false on a simulated device over
+        its budget, where a real one's allocation would fail."""
+        placement = self._placements.get(branch_id)
+        if self._sim is None or placement is None or placement.device is None:
+            return True
+        device = self._poller.snapshot.device(placement.device)
+        return device is None or self._margin.balance(device) >= 0
+
+
+def _reserve(device: DeviceStats, nbytes: int) -> DeviceStats:
+    """The device as it will be once a branch of ``nbytes`` is loaded on it."""
+    return dataclasses.replace(
+        device,
+        used_bytes=device.used_bytes + nbytes,
+        free_bytes=max(device.free_bytes - nbytes, 0),
+    )
