@@ -1,37 +1,42 @@
 # The two commands: `make serve` (serve the packaged demo model) and `make test`.
 # Each sets up what it needs: a virtual environment in .venv and the packages;
-# the first time, llama-cpp-python compiles llama.cpp (~8 min on 2 cores; pip
-# caches the wheel after that).
+# the first time, scripts/llama_build.sh compiles llama.cpp for a portable CPU
+# baseline (never -march=native), with CUDA where there is a GPU and a toolkit
+# (~8 min on 2 cores), and caches the wheel under ~/.cache/quantroute, keyed by
+# its flags.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# Only llama.cpp's compile progress ("[ 42%] Building ...") and pip's verdicts are shown.
-PROGRESS := grep --line-buffered -E '\[ *[0-9]+%\]|Successfully installed|ERROR|error:' || true
 
-.PHONY: serve test lint typecheck unit bench demo clean
+.PHONY: serve test lint typecheck unit bench demo clean llama
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.serve-deps: pyproject.toml | $(BIN)/python
-	@echo "==> installing quantroute and llama-cpp-python (compiles llama.cpp the first time)"
-	$(BIN)/pip install -v -e . 2>&1 | $(PROGRESS)
+# Every time (a second when nothing changed): the venv's llama.cpp must be the build
+# this machine should have. It shows the build's progress when it compiles.
+llama: | $(BIN)/python
+	@bash scripts/llama_build.sh $(VENV)
+
+$(VENV)/.serve-deps: pyproject.toml | llama
+	@echo "==> installing quantroute"
+	$(BIN)/pip install -q -e .
 	$(BIN)/python -c "import llama_cpp, quantroute"
 	touch $@
 
 # torch==2.13.0 first: a CPU build that installs from disk on this project's machines,
 # so the `train` extra's range is already met and pulls nothing larger.
-$(VENV)/.test-deps: pyproject.toml $(VENV)/.serve-deps
+$(VENV)/.test-deps: pyproject.toml $(VENV)/.serve-deps | llama
 	@echo "==> installing test and training dependencies"
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,train,server-peer]'
 	touch $@
 
-serve: $(VENV)/.serve-deps
+serve: $(VENV)/.serve-deps | llama
 	$(BIN)/quantroute serve $(ARGS)
 
 lint: $(VENV)/.test-deps

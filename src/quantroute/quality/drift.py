@@ -204,7 +204,7 @@ class DriftMonitor:
             replay = await self._queue.get()
             try:
                 await self.replay(replay)
-            except Exception as exc:  # an engine that fails a replay is the breaker's business
+            except Exception as exc:  # a failed replay says nothing about quality: skip it
                 log.warning("drift: replay on %s failed: %s", replay.branch, exc)
 
     async def replay(self, replay: Replay) -> None:
