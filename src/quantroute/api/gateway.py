@@ -189,7 +189,10 @@ class Gateway:
             branch.engine.listen(self)
         if any(d.kind is DeviceKind.CUDA for d in self.poller.snapshot.devices):
             await self._learn_gpu_offload()
-        self.occupancy.place_all([PlacementRequest(b.id, b.engine.model_path) for b in branches])
+        requests = [
+            PlacementRequest(b.id, b.engine.model_path, b.artifact.problem) for b in branches
+        ]
+        await asyncio.to_thread(self.occupancy.place_all, requests)  # reads GGUF headers
         for branch in branches:
             placement = self.occupancy.get(branch.id)
             if placement is not None:

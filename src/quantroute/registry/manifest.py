@@ -24,6 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from quantroute.errors import ArtifactIntegrityError, ManifestError
+from quantroute.registry.gguf_check import check_gguf
 from quantroute.types import Precision
 
 MANIFEST_NAME = "quantroute.yaml"
@@ -86,7 +87,9 @@ class Manifest(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class BranchArtifact:
-    """A branch whose file exists and matches its declared sha256."""
+    """A branch's file. ``problem`` is ``None`` when it exists, matches its declared
+    sha256 and has a sound GGUF header; otherwise it says what is wrong, in words,
+    and the branch is failed (it never starts)."""
 
     model: str
     name: str
@@ -96,6 +99,7 @@ class BranchArtifact:
     sha256: str
     size_bytes: int
     is_reference: bool
+    problem: str | None = None
 
 
 def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
@@ -122,19 +126,29 @@ def load_manifest(model_dir: Path) -> Manifest:
         raise ManifestError(f"{path}: {where}: {first['msg']}") from exc
 
 
-def verify_artifacts(model_dir: Path, manifest: Manifest) -> list[BranchArtifact]:
-    """Check every branch's file against its sha256; the reference comes first."""
+def check_artifacts(model_dir: Path, manifest: Manifest) -> list[BranchArtifact]:
+    """Every branch's file, checked: exists, matches its sha256, has a sound GGUF header
+    (:func:`~quantroute.registry.gguf_check.check_gguf`). A bad file fails its branch
+    alone (``problem``); the reference comes first."""
     artifacts = []
     for name, spec in manifest.branches.items():
         path = (model_dir / spec.file).resolve()
+        problem, digest, size = None, spec.sha256, 0
         if not path.is_file():
-            raise ArtifactIntegrityError(f"{manifest.model}:{name}: file {spec.file} is missing")
-        digest = sha256_file(path)
-        if digest != spec.sha256:
-            raise ArtifactIntegrityError(
-                f"{manifest.model}:{name}: sha256 of {spec.file} is {digest[:12]}..., "
-                f"the manifest says {spec.sha256[:12]}..."
-            )
+            problem = f"{manifest.model}:{name}: file {spec.file} is missing"
+        else:
+            size = path.stat().st_size
+            digest = sha256_file(path)
+            if digest != spec.sha256:
+                problem = (
+                    f"{manifest.model}:{name}: sha256 of {spec.file} is {digest[:12]}..., "
+                    f"the manifest says {spec.sha256[:12]}..."
+                )
+            else:
+                try:
+                    check_gguf(path)
+                except ArtifactIntegrityError as exc:
+                    problem = f"{manifest.model}:{name}: {spec.file}: {exc.message}"
         artifacts.append(
             BranchArtifact(
                 model=manifest.model,
@@ -143,11 +157,22 @@ def verify_artifacts(model_dir: Path, manifest: Manifest) -> list[BranchArtifact
                 engine=spec.engine,
                 path=path,
                 sha256=digest,
-                size_bytes=path.stat().st_size,
+                size_bytes=size,
                 is_reference=name == manifest.reference,
+                problem=problem,
             )
         )
     artifacts.sort(key=lambda a: (not a.is_reference, a.precision.spec.rank, a.name))
+    return artifacts
+
+
+def verify_artifacts(model_dir: Path, manifest: Manifest) -> list[BranchArtifact]:
+    """:func:`check_artifacts`, raising :class:`ArtifactIntegrityError` for the first bad
+    file (the profiler and the builder need every file sound)."""
+    artifacts = check_artifacts(model_dir, manifest)
+    for artifact in artifacts:
+        if artifact.problem is not None:
+            raise ArtifactIntegrityError(artifact.problem)
     return artifacts
 
 

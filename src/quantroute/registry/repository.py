@@ -1,7 +1,9 @@
 """A model repository on disk: one folder per model, each with its manifest.
 
-A model whose manifest or files are bad is reported and left out; it never
-stops the others from serving.
+A model whose manifest is bad is reported and left out; a branch whose file is
+missing, does not match its sha256 or has a corrupt header is kept, marked
+with its problem (it is failed and never started); neither stops the others
+from serving.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from quantroute.registry.manifest import (
     MANIFEST_NAME,
     BranchArtifact,
     Manifest,
+    check_artifacts,
     load_manifest,
-    verify_artifacts,
 )
 
 log = logging.getLogger(__name__)
@@ -53,11 +55,14 @@ def scan_repository(repo: Path) -> RepositoryScan:
             manifest = load_manifest(directory)
             if manifest.model in seen:
                 raise ManifestError(f"model {manifest.model} is declared twice")
-            artifacts = verify_artifacts(directory, manifest)
+            artifacts = check_artifacts(directory, manifest)
         except ManifestError as exc:
             log.error("left out %s: %s", directory.name, exc.message)
             problems.append(exc.message)
             continue
         seen.add(manifest.model)
+        for artifact in artifacts:
+            if artifact.problem is not None:
+                log.error("branch failed: %s", artifact.problem)
         models.append(ModelEntry(directory, manifest, tuple(artifacts)))
     return RepositoryScan(tuple(models), tuple(problems))

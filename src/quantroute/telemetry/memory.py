@@ -93,14 +93,15 @@ def read_model_shape(path: Path | str) -> ModelShape:
     """Read a GGUF file's shape with ``gguf.GGUFReader`` (memory-mapped; no tensor data read).
 
     Raises :class:`~quantroute.errors.ConfigError` when the file is not GGUF or
-    lacks a key the model needs.
+    lacks a key the model needs. The server only hands it files whose header
+    passed the registry's bounded check (``registry.gguf_check``).
     """
     import gguf
 
     try:
         reader = gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read GGUF file {path}: {exc}") from exc
+    except Exception as exc:  # gguf raises what its parser meets: a corrupt file is ours
+        raise ConfigError(f"cannot read GGUF file {Path(path).name}: {exc}") from exc
     fields = reader.fields
 
     def get(key: str, default: int | None = None) -> int:

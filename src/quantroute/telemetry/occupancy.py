@@ -54,10 +54,12 @@ __all__ = ["Occupancy", "Placement", "PlacementRequest", "partial_offload"]
 
 @dataclass(frozen=True, slots=True)
 class PlacementRequest:
-    """A branch to place: its id and the local model file (``None``: costs nothing here)."""
+    """A branch to place: its id and the local model file (``None``: costs nothing here).
+    ``problem``: its file is known bad (the registry said why); it is not placed."""
 
     branch_id: str
     model_path: Path | None
+    problem: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +197,8 @@ class Occupancy:
 
     def _place_one(self, request: PlacementRequest, devices: Sequence[DeviceStats]) -> Placement:
         branch_id = request.branch_id
+        if request.problem is not None:
+            return Placement(None, Footprint(0, 0, 0, 0), problem=request.problem)
         if not devices:  # no reading at all: the host, unaccounted
             return Placement("cpu", Footprint(0, 0, 0, 0))
         problem = "no device"
