@@ -216,6 +216,36 @@ class TelemetrySettings(BaseModel):
         return value
 
 
+class ResilienceSettings(BaseModel):
+    """Circuit breakers per branch, the retry budget, and the first-token timeout."""
+
+    breaker_failures: int = Field(
+        5, ge=1, description="Failures in a row (requests the branch failed) that open its breaker."
+    )
+    breaker_open_s: float = Field(
+        30.0, gt=0, description="How long a breaker first stays open; doubles on each reopening."
+    )
+    breaker_open_max_s: float = Field(300.0, gt=0, description="Longest a breaker stays open.")
+    breaker_half_open_probes: int = Field(
+        2, ge=1, description="Requests let through at once to test a half-open breaker."
+    )
+    retry_ratio: float = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description="Retries on another branch in flight: at most this share of active requests.",
+    )
+    retry_min: int = Field(
+        3, ge=0, description="Retries always allowed in flight, whatever the ratio says."
+    )
+    first_token_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="A branch that sends no first token in this long has failed the request, "
+        "which moves to the next branch (a deadline cuts it shorter).",
+    )
+
+
 class DriftSettings(BaseModel):
     """The run-time drift monitor: live requests replayed through the reference."""
 
@@ -484,6 +514,7 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)  # type: ignore[arg-type]
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)  # type: ignore[arg-type]
     drift: DriftSettings = Field(default_factory=DriftSettings)  # type: ignore[arg-type]
+    resilience: ResilienceSettings = Field(default_factory=ResilienceSettings)  # type: ignore[arg-type]
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
 
 

@@ -302,15 +302,28 @@ async def test_not_ready_model_is_503_and_unready_readiness() -> None:
 
 
 async def test_failure_before_first_token_falls_back_to_next_branch() -> None:
+    # crash_after=0: the branch accepts the prompt, then dies before its first token.
+    # The commit point is the first token: the request moves to the next branch.
     broken = FakeEngine(faults=FakeFaults(crash_after=0))
     async with _client({"f16": broken, "q8_0": FakeEngine()}) as c:
-        # crash_after=0 fails on the first token, after the start: that is a stream error
+        body = {"model": "tiny-llama", "prompt": "x", "max_tokens": 3, "stream": True}
+        r = await c.post("/v1/completions", json=body | {"quality": "fast"})
+        assert r.headers["x-quantroute-branch"] == "tiny-llama:q8_0"
+        events = _events(r.text)
+        assert events[-1] == "[DONE]" and "error" not in str(events)
+
+
+async def test_failure_after_the_first_token_ends_the_stream_with_an_error() -> None:
+    broken = FakeEngine(faults=FakeFaults(crash_after=1))
+    async with _client({"f16": broken, "q8_0": FakeEngine()}) as c:
         r = await c.post(
             "/v1/completions",
             json={"model": "tiny-llama", "prompt": "x", "max_tokens": 3, "stream": True},
         )
+        assert r.headers["x-quantroute-branch"] == "tiny-llama:f16"
         events = _events(r.text)
         assert "[DONE]" not in events
+        assert events[0]["choices"][0]["text"] == "d"  # the token the client already has
         assert events[-1]["error"]["code"] == "engine_crashed"
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import quantroute
-from quantroute.errors import ConfigError, EngineError, NotFoundError
+from quantroute.errors import ArtifactIntegrityError, ConfigError, NotFoundError
 from quantroute.quality import (
     PROFILE_NAME,
     BranchProfile,
@@ -243,7 +243,7 @@ def test_text_too_short_for_n_ctx_is_a_config_error(tmp_path: Path) -> None:
     assert not (model_dir / PROFILE_NAME).exists()
 
 
-def test_a_branch_llama_cpp_cannot_load_fails_cleanly(tmp_path: Path) -> None:
+def test_a_truncated_branch_fails_cleanly_before_llama_cpp_reads_it(tmp_path: Path) -> None:
     model_dir = copy_model(tmp_path / "tiny-llama")
     manifest = load_manifest(model_dir)
     path = model_dir / manifest.branches["q8_0"].file
@@ -252,7 +252,7 @@ def test_a_branch_llama_cpp_cannot_load_fails_cleanly(tmp_path: Path) -> None:
     write_manifest(
         model_dir, manifest.model_copy(update={"branches": {**manifest.branches, "q8_0": spec}})
     )
-    with pytest.raises(EngineError, match=r"q8_0\.gguf"):
+    with pytest.raises(ArtifactIntegrityError, match=r"q8_0\.gguf.*past the end of the file"):
         profile_repo(model_dir, progress=False, plot=False, **{**FAST, "max_chunks": 1})
     assert not (model_dir / PROFILE_NAME).exists()
 

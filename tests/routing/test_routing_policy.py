@@ -184,7 +184,7 @@ def test_exact_without_a_reference_in_the_table_is_503() -> None:
 
 @pytest.mark.parametrize("quality", ["exact", "high", "balanced", "fast", {"max_kld": 1.0}])
 def test_nothing_ready_is_503_for_every_tier(quality: object) -> None:
-    branches = demo(f16={"ready": False}, q8_0={"ready": False}, q4_k_m={"ready": False})
+    branches = demo(f16={"ready": False}, q8_0={"breaker_open": True}, q4_k_m={"ready": False})
     with pytest.raises(ServiceUnavailableError) as info:
         choose("tiny-llama", req(quality), SHAPE, branches, S)
     assert info.value.retry_after_s == S.retry_after_s
@@ -195,6 +195,7 @@ def test_nothing_ready_is_503_for_every_tier(quality: object) -> None:
     [
         ({}, (Q4, Q8, F16)),
         ({"q4_k_m": {"ready": False}}, (Q8, F16)),
+        ({"q4_k_m": {"breaker_open": True}}, (Q8, F16)),
         ({"q4_k_m": {"ready": False}, "q8_0": {"degraded": True}}, (Q8, F16)),
     ],
 )
@@ -215,6 +216,7 @@ def test_fast_is_best_effort_cheapest_ready(
     ("live", "quality", "ids"),
     [
         ({"q8_0": {"ready": False}}, None, (Q4, F16)),
+        ({"q8_0": {"breaker_open": True}}, None, (Q4, F16)),
         ({"q8_0": {"degraded": True}}, None, (Q4, F16)),
         ({"q8_0": {"degraded": True}}, "fast", (Q8, Q4, F16)),  # fast has no bound to fail
         ({"q8_0": {"degraded": True}}, {"max_kld": 1.0}, (Q4, F16)),
@@ -414,7 +416,7 @@ def test_explanations_cover_every_branch_in_input_order() -> None:
     assert ex[Q8].regime is Regime.CONSTRAINED and ex[Q8].need_bytes == 48 * 2**20
 
     q4 = {f.name: f for f in ex[Q4].filters}
-    assert [f.name for f in ex[Q4].filters] == ["ready", "quality", "memory", "deadline"]
+    assert [f.name for f in ex[Q4].filters] == ["ready", "breaker", "quality", "memory", "deadline"]
     assert not q4["ready"].passed and q4["ready"].reason == "not ready"
     assert not q4["quality"].passed and q4["quality"].reason.startswith("mean_kld 0.0103 > 0.001")
     assert q4["memory"].passed
@@ -425,7 +427,7 @@ def test_explanations_cover_every_branch_in_input_order() -> None:
     assert [t.name for t in q8.terms] == ["fit", "headroom", "load", "latency", "health", "heat"]
     assert q8.terms[0].value == pytest.approx(0.8) and q8.terms[0].weight == 1.0
     assert ex[F16].terms[0].value == pytest.approx(0.6)
-    assert q8.to_dict()["filters"][1] == {
+    assert q8.to_dict()["filters"][2] == {
         "name": "quality",
         "passed": True,
         "reason": "mean_kld 0.00027 <= 0.001, top1 0.991 >= 0.98",

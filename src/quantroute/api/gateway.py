@@ -13,6 +13,7 @@ part                        what it does
                             take routed traffic (``routing``)
 ``states``                  the policy's view of every branch, built per request (``routing``)
 ``drift``                   replays sampled requests through the reference (``quality``)
+``breakers``                one circuit breaker per branch; ``retry_budget`` (``resilience``)
 ``service``                 the one object the HTTP routes call (``api.service``)
 ==========================  =================================================================
 
@@ -42,6 +43,7 @@ from quantroute.engines.supervisor import RestartPolicy
 from quantroute.quality.drift import Baseline, DriftMonitor, Replay
 from quantroute.quality.profile import load_profiles
 from quantroute.registry.repository import scan_repository
+from quantroute.resilience import BreakerPolicy, Breakers, RetryBudget
 from quantroute.routing.residency import Residency
 from quantroute.routing.states import BranchStates, RecentRate
 from quantroute.routing.table import Branch, ModelRoute, RouteTable, RouteTableRef
@@ -136,6 +138,16 @@ class Gateway:
         self.health = health_from_settings(settings.telemetry)
         self.margin = margin_from_settings(settings.telemetry)
         self.popularity = RecentRate()
+        r = settings.resilience
+        self.breakers = Breakers(
+            BreakerPolicy(
+                failures_to_open=r.breaker_failures,
+                open_base_s=r.breaker_open_s,
+                open_max_s=r.breaker_open_max_s,
+                half_open_probes=r.breaker_half_open_probes,
+            )
+        )
+        self.retry_budget = RetryBudget(ratio=r.retry_ratio, min_retries=r.retry_min)
         self.poller: DevicePoller = poller_from_settings(
             self._provider, settings.telemetry, health=self.health
         )
@@ -166,6 +178,7 @@ class Gateway:
             lifecycle=self.residency,
             placements=self.occupancy,
             degraded=lambda branch_id: self.drift.degraded(branch_id),
+            breakers=self.breakers,
             health=self.health,
             margin=self.margin,
             popularity=self.popularity,

@@ -1,19 +1,31 @@
-"""A request in flight: the :class:`Job` the service prepared, the :class:`Run` of it on
-one branch (its choices' events merged as they come), and :class:`Tick` (idle)."""
+"""A request in flight: the :class:`Job` the service prepared (:func:`build_job`), the
+:class:`Run` of it on one branch (its choices' events merged as they come), and
+:class:`Tick` (idle)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-from quantroute.engines.base import EngineEvent, FinishEvent, GenerationRequest, TokenEvent
+from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
+from quantroute.engines.base import (
+    EngineEvent,
+    FinishEvent,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from quantroute.engines.chat_template import ChatPrompt
+from quantroute.errors import EngineError
 from quantroute.routing.policy import Decision
 from quantroute.routing.table import Branch
 
 Kind = Literal["chat", "completion"]
+_SEED_MASK = 2**64 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +39,7 @@ class Job:
     stream: bool
     include_usage: bool
     logprobs: bool
+    deadline: float | None = None  # monotonic seconds; bounds the wait for the first token
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +48,14 @@ class Tick:
 
 
 class Run:
-    """A job started on one branch: merged events of its choices."""
+    """A job started on one branch: merged events of its choices.
+
+    ``pending[i]`` holds the events of choice ``i`` that the service already read
+    while deciding to commit to this branch (its start and first token); they
+    come out first. ``on_done(run, ok)`` is told once, when the run closes: ``ok``
+    is ``True`` when every choice finished, ``False`` when the engine failed one,
+    ``None`` when it was cut short (the client left).
+    """
 
     def __init__(
         self,
@@ -44,14 +64,22 @@ class Run:
         streams: list[AsyncIterator[EngineEvent]],
         prompt_tokens: list[int],
         on_finished: Callable[[Run, list[int]], None] | None = None,
+        *,
+        pending: list[list[EngineEvent]] | None = None,
+        on_done: Callable[[Run, bool | None], None] | None = None,
     ):
         self.job = job
         self.branch = branch
         self.prompt_tokens = prompt_tokens
         self._streams = streams
+        self._pending = pending or [[] for _ in streams]
         self._on_finished = on_finished
+        self._on_done = on_done
         self._queue: asyncio.Queue[tuple[int, EngineEvent] | BaseException | None] = asyncio.Queue()
         self._pumps: list[asyncio.Task[None]] = []
+        self._finished = 0
+        self._failed = False
+        self._closed = False
 
     async def events(
         self, keepalive_s: float | None = None
@@ -84,16 +112,26 @@ class Run:
     async def _pump(self, index: int, stream: AsyncIterator[EngineEvent]) -> None:
         tokens: list[int] = []  # of choice 0, for the drift monitor
         try:
+            for event in self._pending[index]:
+                self._emit(index, event, tokens)
             async for event in stream:
-                self._queue.put_nowait((index, event))
-                if index == 0 and isinstance(event, TokenEvent):
-                    tokens.append(event.token_id)
-                elif index == 0 and isinstance(event, FinishEvent) and self._on_finished:
-                    self._on_finished(self, tokens)
+                self._emit(index, event, tokens)
+        except EngineError as exc:
+            self._failed = True
+            self._queue.put_nowait(exc)
         except Exception as exc:
             self._queue.put_nowait(exc)
         finally:
             self._queue.put_nowait(None)
+
+    def _emit(self, index: int, event: EngineEvent, tokens: list[int]) -> None:
+        self._queue.put_nowait((index, event))
+        if isinstance(event, FinishEvent):
+            self._finished += 1
+        if index == 0 and isinstance(event, TokenEvent):
+            tokens.append(event.token_id)
+        elif index == 0 and isinstance(event, FinishEvent) and self._on_finished:
+            self._on_finished(self, tokens)
 
     async def close(self) -> None:
         for task in self._pumps:
@@ -105,6 +143,11 @@ class Run:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
+        if not self._closed:
+            self._closed = True
+            if self._on_done is not None:
+                ok = False if self._failed else (self._finished == len(self._streams) or None)
+                self._on_done(self, ok)
 
 
 async def close_all(streams: list[AsyncIterator[EngineEvent]]) -> None:
@@ -114,3 +157,77 @@ async def close_all(streams: list[AsyncIterator[EngineEvent]]) -> None:
         if aclose is not None:
             with contextlib.suppress(Exception):
                 await aclose()
+
+
+def build_job(
+    req: ChatCompletionRequest | CompletionRequest,
+    decision: Decision,
+    branches: tuple[Branch, ...],
+    prompt: ChatPrompt | None,
+    *,
+    max_tokens: int,
+    deadline: float | None,
+) -> Job:
+    """The engine requests of a validated request: one per choice (``n`` per prompt),
+    with its sampling; ``prompt`` is the rendered chat prompt of a chat request."""
+    job_id = uuid.uuid4().hex
+    seed = None if req.seed is None else req.seed & _SEED_MASK
+    base = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=seed,
+        stop=req.stops,
+        logit_bias=req.bias,
+        ignore_eos=req.ignore_eos,
+    )
+    kind: Kind
+    if isinstance(req, ChatCompletionRequest):
+        assert prompt is not None
+        limit = req.completion_limit
+        sampling = replace(
+            base,
+            max_tokens=limit or base.max_tokens,
+            fit_context=limit is None,
+            stop=base.stop + prompt.stops,
+            logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs or 0,
+        )
+        prompts = [prompt.text] * req.n
+        special = prompt.template == "model"
+        kind = "chat"
+        logprobs = req.logprobs
+    else:
+        sampling = replace(
+            base,
+            max_tokens=req.max_tokens or base.max_tokens,
+            fit_context=req.max_tokens is None,
+            logprobs=req.logprobs is not None,
+            top_logprobs=req.logprobs or 0,
+        )
+        prompts = [p for p in req.prompts for _ in range(req.n)]
+        special = False
+        kind = "completion"
+        logprobs = req.logprobs is not None
+    requests = tuple(
+        GenerationRequest(
+            f"{job_id}.{i}",
+            text,
+            sampling if seed is None else replace(sampling, seed=(seed + i) & _SEED_MASK),
+            parse_special=special,
+        )
+        for i, text in enumerate(prompts)
+    )
+    return Job(
+        job_id,
+        kind,
+        decision,
+        branches,
+        requests,
+        req.n,
+        req.stream,
+        req.include_usage,
+        logprobs,
+        deadline,
+    )

@@ -141,6 +141,12 @@ class PressureBody(BaseModel):
     bytes: int = Field(ge=0, le=1 << 50)
 
 
+@router.get("/admin/status", dependencies=[Depends(require_admin)])
+async def admin_status(request: Request) -> dict[str, Any]:
+    """Branch states, circuit breakers and the retry budget."""
+    return _service(request).status()
+
+
 @router.put("/admin/devices/{device_id}/pressure", dependencies=[Depends(require_admin)])
 async def set_pressure(request: Request, device_id: str, body: PressureBody) -> dict[str, Any]:
     """Simulated devices only: occupy ``bytes`` of a device, as another tenant would."""

@@ -14,15 +14,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from quantroute.api import views
-from quantroute.api.jobs import Job, Kind, Run, close_all
+from quantroute.api.jobs import Job, Run, build_job, close_all
 from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest, check_limits
-from quantroute.engines.base import EngineEvent, GenerationRequest, SamplingParams, StartEvent
+from quantroute.engines.base import (
+    EngineEvent,
+    FinishEvent,
+    StartEvent,
+    TokenEvent,
+)
 from quantroute.engines.chat_template import render_chat
 from quantroute.errors import (
     ContextLengthExceededError,
@@ -63,17 +66,23 @@ class Service:
 
     # -- routing ----------------------------------------------------------------
 
-    def route(self, req: Request, headers: Mapping[str, str]) -> tuple[Decision, ModelRoute]:
+    def route(
+        self, req: Request, headers: Mapping[str, str]
+    ) -> tuple[Decision, ModelRoute, Requirement]:
         """Which branches answer ``req``, in order. A pinned branch answers alone; a
-        model name goes through the routing policy (requirement, filters, score)."""
+        model name goes through the routing policy (requirement, filters, score).
+        The requirement is parsed either way: a malformed header is a 400 for a pinned
+        request too, and its deadline bounds the wait for the first token."""
         route, branch = lookup(self._gateway.routes.current, req.model)
+        requirement, shape = self._routing_inputs(req, headers)
         if branch is not None:
             ready = self._gateway.residency.routable(branch)
             retry_s = self._settings.routing.retry_after_s
-            return pinned(route.name, branch.id, ready=ready, retry_after_s=retry_s), route
-        requirement, shape = self._routing_inputs(req, headers)
+            decision = pinned(route.name, branch.id, ready=ready, retry_after_s=retry_s)
+            return decision, route, requirement
         states = self._gateway.states.read(route.name)
-        return choose(route.name, requirement, shape, states, self._settings.routing), route
+        decision = choose(route.name, requirement, shape, states, self._settings.routing)
+        return decision, route, requirement
 
     def _routing_inputs(
         self, req: Request, headers: Mapping[str, str]
@@ -138,20 +147,24 @@ class Service:
 
     async def decide(
         self, req: Request, headers: Mapping[str, str]
-    ) -> tuple[Decision, tuple[Branch, ...]]:
-        """``route``, waiting where the tier says to wait (``exact``: for the reference)."""
-        decision, route = self.route(req, headers)
+    ) -> tuple[Decision, tuple[Branch, ...], float | None]:
+        """``route``, waiting where the tier says to wait (``exact``: for the reference).
+        Also the request's deadline (monotonic seconds), if it has one."""
+        decision, route, requirement = self.route(req, headers)
+        ms = requirement.deadline_ms
+        deadline = None if ms is None else time.monotonic() + ms / 1000.0
         if decision.wait_s is not None:
+            wait_until = time.monotonic() + decision.wait_s
             deadline = time.monotonic() + decision.wait_s
             while not decision.branch_ids:
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= wait_until:
                     raise ServiceUnavailableError(
                         f"no branch of {decision.model} met the request's quality bound in time",
                         retry_after_s=self._settings.routing.retry_after_s,
                     )
                 await asyncio.sleep(_WAIT_POLL_S)
-                decision, route = self.route(req, headers)
-        return decision, route.by_id(decision.branch_ids)
+                decision, route, _ = self.route(req, headers)
+        return decision, route.by_id(decision.branch_ids), deadline
 
     # -- running ----------------------------------------------------------------
 
@@ -161,19 +174,8 @@ class Service:
         headers: Mapping[str, str] | None = None,
     ) -> Job:
         check_limits(req, self._settings.limits)
-        decision, branches = await self.decide(req, headers or {})
-        job_id = uuid.uuid4().hex
-        seed = None if req.seed is None else req.seed & _SEED_MASK
-        base = SamplingParams(
-            max_tokens=self._settings.limits.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            seed=seed,
-            stop=req.stops,
-            logit_bias=req.bias,
-            ignore_eos=req.ignore_eos,
-        )
+        decision, branches, deadline = await self.decide(req, headers or {})
+        prompt = None
         if isinstance(req, ChatCompletionRequest):
             info = branches[0].engine.info
             prompt = render_chat(
@@ -182,63 +184,84 @@ class Service:
                 bos_token=info.bos_token if info else "",
                 eos_token=info.eos_token if info else "",
             )
-            limit = req.completion_limit
-            sampling = replace(
-                base,
-                max_tokens=limit or base.max_tokens,
-                fit_context=limit is None,
-                stop=base.stop + prompt.stops,
-                logprobs=req.logprobs,
-                top_logprobs=req.top_logprobs or 0,
-            )
-            prompts = [prompt.text] * req.n
-            special = prompt.template == "model"
-            kind: Kind = "chat"
-            logprobs = req.logprobs
-        else:
-            sampling = replace(
-                base,
-                max_tokens=req.max_tokens or base.max_tokens,
-                fit_context=req.max_tokens is None,
-                logprobs=req.logprobs is not None,
-                top_logprobs=req.logprobs or 0,
-            )
-            prompts = [p for p in req.prompts for _ in range(req.n)]
-            special = False
-            kind = "completion"
-            logprobs = req.logprobs is not None
-        requests = tuple(
-            GenerationRequest(
-                f"{job_id}.{i}",
-                prompt,
-                sampling if seed is None else replace(sampling, seed=(seed + i) & _SEED_MASK),
-                parse_special=special,
-            )
-            for i, prompt in enumerate(prompts)
-        )
-        return Job(
-            job_id,
-            kind,
+        return build_job(
+            req,
             decision,
             branches,
-            requests,
-            req.n,
-            req.stream,
-            req.include_usage,
-            logprobs,
+            prompt,
+            max_tokens=self._settings.limits.max_tokens,
+            deadline=deadline,
         )
 
     async def start(self, job: Job) -> Run:
-        """Open every choice on the first branch that takes them all."""
+        """Open every choice on the first branch that takes them all.
+
+        The commit point is each choice's first token: until then any failure of the
+        branch (an error, its worker's death, an out-of-memory, no first token in
+        ``resilience.first_token_timeout_s`` or by the deadline) moves the request to
+        the decision's next branch, within the retry budget. A branch whose breaker
+        is open is passed over (that is not its failure). Afterwards an error ends the
+        stream (an error event, no ``[DONE]``)."""
+        gateway = self._gateway
+        budget = gateway.retry_budget
+        budget.start()
+        retries = 0
         last: EngineError | None = None
-        for branch in job.branches:
-            streams: list[AsyncIterator[EngineEvent]] = []
-            try:
-                if not self._gateway.occupancy.admit(branch.id):
-                    raise DeviceOutOfMemoryError(
-                        f"the device of branch {branch.id} is out of memory"
+        tried = 0
+        try:
+            for branch in job.branches:
+                if not gateway.breakers.acquire(branch.id):
+                    continue  # open: its own rejection, never counted as a failure
+                if tried and not budget.try_retry():
+                    gateway.breakers.release(branch.id)
+                    log.warning("job %s: retry budget spent; not trying %s", job.id, branch.id)
+                    break
+                retries += 1 if tried else 0
+                tried += 1
+                try:
+                    run = await self._open(job, branch, retries)
+                except ContextLengthExceededError as exc:
+                    gateway.breakers.release(branch.id)  # the request's fault, not the branch's
+                    exc.param = "messages" if job.kind == "chat" else "prompt"
+                    raise
+                except EngineError as exc:
+                    gateway.breakers.failure(branch.id)
+                    last = exc
+                    log.warning(
+                        "job %s: branch %s failed before its first token: %s",
+                        job.id,
+                        branch.id,
+                        exc.message,
                     )
-                prompt_tokens = []
+                    continue
+                except BaseException:
+                    gateway.breakers.release(branch.id)
+                    raise
+                return run
+        except BaseException:
+            budget.finish(retries)
+            raise
+        budget.finish(retries)
+        if last is not None and len(job.branches) == 1:
+            raise last
+        raise ServiceUnavailableError(
+            f"every branch of {job.decision.model} failed or is shedding load; retry later",
+            retry_after_s=self._settings.routing.retry_after_s,
+        )
+
+    async def _open(self, job: Job, branch: Branch, retries: int) -> Run:
+        """Every choice of ``job`` on ``branch``, up to its first token; raises an
+        ``EngineError`` (after closing what it opened) if the branch fails before."""
+        if not self._gateway.occupancy.admit(branch.id):
+            raise DeviceOutOfMemoryError(f"the device of branch {branch.id} is out of memory")
+        timeout_s = self._settings.resilience.first_token_timeout_s
+        if job.deadline is not None:
+            timeout_s = min(timeout_s, max(0.0, job.deadline - time.monotonic()))
+        streams: list[AsyncIterator[EngineEvent]] = []
+        pending: list[list[EngineEvent]] = []
+        prompt_tokens: list[int] = []
+        try:
+            async with asyncio.timeout(timeout_s):
                 for request in job.requests:
                     stream = aiter(branch.engine.generate(request))
                     streams.append(stream)
@@ -246,27 +269,39 @@ class Service:
                     if not isinstance(first, StartEvent):
                         raise EngineError(f"branch {branch.id} skipped its start event")
                     prompt_tokens.append(first.prompt_tokens)
-                return Run(job, branch, streams, prompt_tokens, self._gateway.finished)
-            except ContextLengthExceededError as exc:
-                exc.param = "messages" if job.kind == "chat" else "prompt"
-                await close_all(streams)
-                raise
-            except EngineError as exc:
-                last = exc
-                log.warning(
-                    "job %s: branch %s failed before its first token: %s",
-                    job.id,
-                    branch.id,
-                    exc.message,
-                )
-                await close_all(streams)
-            except BaseException:
-                await close_all(streams)
-                raise
-        if last is not None and len(job.branches) == 1:
-            raise last
-        raise ServiceUnavailableError(
-            f"every branch of {job.decision.model} failed before answering", retry_after_s=2.0
+                    events: list[EngineEvent] = [first]
+                    while not isinstance(events[-1], TokenEvent | FinishEvent):
+                        events.append(await anext(stream))
+                    pending.append(events)
+        except TimeoutError as exc:
+            await close_all(streams)
+            raise EngineError(
+                f"branch {branch.id} sent no first token in {timeout_s:.3g} s"
+            ) from exc
+        except StopAsyncIteration as exc:
+            await close_all(streams)
+            raise EngineError(f"branch {branch.id} ended a stream without finishing") from exc
+        except BaseException:
+            await close_all(streams)
+            raise
+
+        def done(run: Run, ok: bool | None) -> None:
+            self._gateway.retry_budget.finish(retries)
+            if ok is True:
+                self._gateway.breakers.success(branch.id)
+            elif ok is False:
+                self._gateway.breakers.failure(branch.id)
+            else:
+                self._gateway.breakers.release(branch.id)
+
+        return Run(
+            job,
+            branch,
+            streams,
+            prompt_tokens,
+            self._gateway.finished,
+            pending=pending,
+            on_done=done,
         )
 
     # -- views and operator actions ----------------------------------------------
@@ -286,6 +321,10 @@ class Service:
     def metrics(self) -> bytes:
         """Prometheus text exposition of branches and devices."""
         return views.metrics_text(self._gateway)
+
+    def status(self) -> dict[str, Any]:
+        """``GET /admin/status``: branch states, circuit breakers, the retry budget."""
+        return views.status_json(self._gateway)
 
     def set_pressure(self, device_id: str, nbytes: int) -> None:
         """Simulated devices only: occupy ``nbytes`` of a device, as another tenant would."""

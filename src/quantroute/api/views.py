@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from quantroute.observability import render_metrics
 from quantroute.observability.metrics import BranchSample, DeviceSample
 from quantroute.quality.profile import BranchProfile
+from quantroute.resilience import BreakerState
 from quantroute.routing.table import Branch
 from quantroute.telemetry import snapshot_to_json
 
@@ -95,6 +97,38 @@ def readiness_json(gateway: Gateway) -> tuple[bool, dict[str, Any]]:
     body: dict[str, Any] = {"status": "ready" if ok else "not ready", "ready_branches": ready}
     body["failed_branches"] = failed
     return ok, body
+
+
+def status_json(gateway: Gateway) -> dict[str, Any]:
+    now = time.monotonic()
+    branches = {}
+    for b in gateway.routes.current.branches():
+        state, why = branch_state(gateway, b)
+        breaker = gateway.breakers.get(b.id)
+        breaker_state = breaker.state(now)
+        branches[b.id] = {
+            "state": state,
+            "failure": why,
+            "in_flight": b.engine.in_flight,
+            "breaker": {
+                "state": breaker_state.value,
+                "failures_in_a_row": breaker.failures,
+                "opens": breaker.opens,
+                "open_for_s": max(0.0, breaker.open_until() - now)
+                if breaker_state is BreakerState.OPEN
+                else 0.0,
+            },
+        }
+    budget = gateway.retry_budget
+    return {
+        "branches": branches,
+        "retry_budget": {
+            "active_requests": budget.active,
+            "retries_in_flight": budget.retrying,
+            "limit": budget.limit,
+            "refused": budget.refused,
+        },
+    }
 
 
 def _drift_json(gateway: Gateway, branch_id: str) -> dict[str, Any] | None:
@@ -195,6 +229,7 @@ class MetricsView:
                     precision=b.precision.value,
                     ready=gateway.residency.routable(b),
                     failed=branch_state(gateway, b)[0] == "failed",
+                    breaker_open=gateway.breakers.is_open(b.id),
                     in_flight=b.engine.in_flight,
                     device=(placement.device or "") if placement else "",
                     footprint_bytes=(

@@ -9,6 +9,8 @@ metric                                     type   labels
 ``quantroute_branch_ready``                gauge  model, branch, precision
 ``quantroute_branch_failed``               gauge  model, branch (failed: crashed too often,
                                                   or its file could not be loaded)
+``quantroute_branch_breaker_open``        gauge  model, branch (its circuit breaker turns
+                                                  requests away)
 ``quantroute_branch_in_flight``            gauge  model, branch
 ``quantroute_branch_degraded``             gauge  model, branch (the drift monitor's verdict)
 ``quantroute_branch_drift_window_kld``     gauge  model, branch (mean KLD of the last window)
@@ -40,6 +42,7 @@ class BranchSample:
     precision: str
     ready: bool
     failed: bool
+    breaker_open: bool
     in_flight: int
     device: str
     footprint_bytes: int
@@ -82,6 +85,11 @@ class GatewayCollector(Collector):
             "Branch is failed (1): it crashed too often or could not load; see /v1/models.",
             labels=branch_labels,
         )
+        breaker = GaugeMetricFamily(
+            "quantroute_branch_breaker_open",
+            "The branch's circuit breaker is open (1): requests go elsewhere.",
+            labels=branch_labels,
+        )
         in_flight = GaugeMetricFamily(
             "quantroute_branch_in_flight", "Requests running on the branch.", labels=branch_labels
         )
@@ -109,6 +117,7 @@ class GatewayCollector(Collector):
             ids = [b.model, b.branch]
             ready.add_metric([*ids, b.precision], float(b.ready))
             failed.add_metric(ids, float(b.failed))
+            breaker.add_metric(ids, float(b.breaker_open))
             in_flight.add_metric(ids, float(b.in_flight))
             degraded.add_metric(ids, float(b.degraded))
             if b.window_kld is not None:
@@ -116,7 +125,7 @@ class GatewayCollector(Collector):
             if b.window_top1 is not None:
                 top1.add_metric(ids, b.window_top1)
             footprint.add_metric([*ids, b.device], float(b.footprint_bytes))
-        yield from (ready, failed, in_flight, degraded, kld, top1, footprint)
+        yield from (ready, failed, breaker, in_flight, degraded, kld, top1, footprint)
 
         devices, age = self._view.device_samples()
         labels = ["device", "kind"]

@@ -1,12 +1,13 @@
 """The hard filters: which branches may serve a request at all.
 
-A branch is *feasible* when it passes all four; no score can bring back one
+A branch is *feasible* when it passes all five; no score can bring back one
 that fails:
 
 =========  ===================================================================================
 filter     passes when
 =========  ===================================================================================
 ready      the branch takes routed traffic (loaded, warmed up, not draining, not failed)
+breaker    its circuit breaker is not open (``resilience.breaker``; half-open lets probes by)
 quality    the requirement has no bound; or the branch is the reference (it meets any bound);
            or it is profiled, not degraded, ``mean_kld <= max_kld`` and ``top1 >= min_top1``.
            ``max_kld == 0`` admits only the reference: a measured zero on the calibration text
@@ -37,12 +38,14 @@ from quantroute.routing.records import BranchState, RequestShape, Row
 from quantroute.routing.requirement import Requirement
 
 READY = 1
-QUALITY = 2
-MEMORY = 4
-DEADLINE = 8
+BREAKER = 2
+QUALITY = 4
+MEMORY = 8
+DEADLINE = 16
 
 NAMES: tuple[tuple[int, str], ...] = (
     (READY, "ready"),
+    (BREAKER, "breaker"),
     (QUALITY, "quality"),
     (MEMORY, "memory"),
     (DEADLINE, "deadline"),
@@ -65,6 +68,8 @@ def evaluate(
     append = rows.append
     for b in branches:
         fails = 0 if b.ready else READY
+        if b.breaker_open:
+            fails |= BREAKER
         if bounded and not b.is_reference:
             if reference_only or b.degraded:
                 fails |= QUALITY
@@ -117,6 +122,8 @@ def _reason(
 ) -> str:
     if bit == READY:
         return "ready" if b.ready else "not ready"
+    if bit == BREAKER:
+        return "open" if b.breaker_open else "closed"
     if bit == QUALITY:
         return _quality_reason(requirement, b)
     if bit == MEMORY:

@@ -10,8 +10,8 @@ and readers never lock.
 
 The steps:
 
-1. **Filters** (:mod:`~quantroute.routing.filters`): ready, quality,
-   memory, deadline. A branch that fails one is out; nothing overrides that.
+1. **Filters** (:mod:`~quantroute.routing.filters`): ready, breaker,
+   quality, memory, deadline. A branch that fails one is out; nothing overrides that.
 2. **Score** (:mod:`~quantroute.routing.score`): memory-regime fit, headroom,
    load, deadline slack, health, heat, weighted.
 3. **Affinity** (:mod:`~quantroute.routing.affinity`): among the ``top_k``
@@ -35,7 +35,7 @@ no branch ready (any tier)      :class:`ServiceUnavailableError` with ``retry_af
                                 is too short even for an idle reference) it is a 503 at once
 ``high``, ``balanced``,         :class:`ServiceUnavailableError` with ``retry_after_s``: never a
 explicit bounds (reject)        silent downgrade below the bound
-``fast`` (best effort)          the cheapest ready branch, ignoring
+``fast`` (best effort)          the cheapest ready branch whose breaker is not open, ignoring
                                 memory and deadline, the others as fallbacks by cost; reason
                                 ``best-effort``
 ==============================  ==================================================================
@@ -58,7 +58,7 @@ from typing import Any
 
 from quantroute.errors import ServiceUnavailableError
 from quantroute.routing import affinity, filters
-from quantroute.routing.filters import MEMORY, QUALITY, READY
+from quantroute.routing.filters import BREAKER, MEMORY, QUALITY, READY
 from quantroute.routing.records import BranchState, RequestShape, Row
 from quantroute.routing.requirement import Requirement
 from quantroute.routing.score import (
@@ -337,7 +337,7 @@ def _nothing_feasible(
     rows: Sequence[Row],
     settings: RoutingSettings,
 ) -> Decision:
-    usable = [i for i, row in enumerate(rows) if not row[0] & READY]
+    usable = [i for i, row in enumerate(rows) if not row[0] & (READY | BREAKER)]
     if not usable:
         raise ServiceUnavailableError(
             "no branch of the model is ready to serve", retry_after_s=settings.retry_after_s
@@ -395,6 +395,7 @@ def _unavailable_message(rows: Sequence[Row]) -> str:
     counts = [(sum(1 for row in rows if row[0] & bit), name) for bit, name in filters.NAMES]
     reasons = {
         "ready": "not ready",
+        "breaker": "its circuit breaker is open",
         "quality": "below the quality bound",
         "memory": "no device memory for it",
         "deadline": "too slow for the deadline",

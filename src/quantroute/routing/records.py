@@ -25,7 +25,8 @@ class BranchState:
     remote engine), ``parallel`` (sequences decoded together).
 
     Live state: ``ready`` (takes routed traffic: loaded, warmed up, not draining,
-    not failed), ``degraded`` (drift monitor), ``device`` and its
+    not failed), ``breaker_open`` (its circuit breaker turns requests away now),
+    ``degraded`` (drift monitor), ``device`` and its
     ``device_free_bytes`` (already net of the safety margin: free *for
     routing*), ``device_total_bytes``, ``device_health`` in [0, 1], ``heat`` in
     [0, 1] (the device's thermal pressure: 0 cool, 1 at the throttle point; 0
@@ -41,6 +42,7 @@ class BranchState:
     precision: Precision
     is_reference: bool = False
     ready: bool = True
+    breaker_open: bool = False
     degraded: bool = False
     mean_kld: float | None = None
     top1: float | None = None

@@ -4,7 +4,7 @@
 device snapshot (both immutable, swapped by reference), and from the parts
 that hold live state: the branch lifecycle (:class:`Lifecycle`: which branches
 take routed traffic), placements (:class:`PlacementView`), the drift
-monitor's verdicts, device health, and request popularity
+monitor's verdicts, the circuit breakers, device health, and request popularity
 (:class:`RecentRate`). It decides nothing; the policy does.
 """
 
@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from quantroute.resilience.breaker import Breakers
 from quantroute.routing.records import BranchState
 from quantroute.routing.table import Branch, RouteTableRef
 from quantroute.telemetry.health import HealthTracker
@@ -82,6 +83,7 @@ class BranchStates:
         lifecycle: Lifecycle,
         placements: PlacementView,
         degraded: Callable[[str], bool],
+        breakers: Breakers,
         health: HealthTracker,
         margin: MarginPolicy,
         popularity: RecentRate,
@@ -91,6 +93,7 @@ class BranchStates:
         self._lifecycle = lifecycle
         self._placements = placements
         self._degraded = degraded
+        self._breakers = breakers
         self._health = health
         self._margin = margin
         self._popularity = popularity
@@ -118,6 +121,7 @@ class BranchStates:
                     precision=b.precision,
                     is_reference=b.name == route.reference,
                     ready=self._lifecycle.routable(b),
+                    breaker_open=self._breakers.is_open(b.id),
                     degraded=self._degraded(b.id),
                     mean_kld=profile.mean_kld if profile else None,
                     top1=profile.top1 if profile else None,
