@@ -66,6 +66,14 @@ class LimitSettings(BaseModel):
     max_prompt_chars: int = Field(
         1 << 20, ge=1, description="Longest prompt or message content, in characters."
     )
+    template_timeout_s: float = Field(
+        2.0, gt=0, description="Longest a model's chat template may take to render a prompt."
+    )
+    template_max_chars: int = Field(
+        1 << 24,
+        ge=1024,
+        description="Longest prompt a chat template may render (and a cap on what it builds).",
+    )
 
 
 class EngineSettings(BaseModel):
@@ -111,7 +119,22 @@ class EngineSettings(BaseModel):
         description="Layers offloaded to a GPU when a branch is placed on one: -1 all (or as "
         "many as fit), 0 none. Branches on the CPU offload nothing.",
     )
-    faults: dict[str, Literal["sigill-at-first-decode", "exit-at-load"]] = Field(
+    gen_idle_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Longest wait for a generation's next event from its worker; a worker "
+        "that sends nothing at all for this long is replaced.",
+    )
+    score_timeout_s: float = Field(
+        300.0, gt=0, description="Longest a drift-replay scoring command may take."
+    )
+    max_event_bytes: int = Field(
+        1 << 20,
+        ge=1024,
+        le=1 << 23,
+        description="Longest event line a worker may send; a longer one fails its request only.",
+    )
+    faults: dict[str, Literal["sigill-at-first-decode", "exit-at-load", "oversize-line"]] = Field(
         default_factory=dict,
         description="Fault injection for tests: branch name (or model:branch, or '*') -> how "
         "its worker fails, e.g. {'q8_0': 'sigill-at-first-decode'}.",
@@ -214,6 +237,38 @@ class TelemetrySettings(BaseModel):
                 if not cores or any(c < 0 for c in cores):
                     raise ValueError(f"cpu_affinity[{i}] must list non-negative core ids")
         return value
+
+
+class AuthSettings(BaseModel):
+    """Client API keys (tenants) and which read endpoints need one."""
+
+    tenants_file: Path | None = Field(
+        None,
+        description="YAML file of tenants: keys, priority, rate and concurrency limits, models "
+        "(docs/api.md#tenants). Without one the API is open to anyone who reaches the port.",
+    )
+    protect_metrics: bool = Field(
+        False, description="GET /metrics needs a client or admin key (when tenants are set)."
+    )
+    protect_explain: bool = Field(
+        True,
+        description="POST /v1/route/explain needs a client or admin key (when tenants are set).",
+    )
+
+
+class AdmissionSettings(BaseModel):
+    """The bounded, prioritised queue in front of each model."""
+
+    queue_size: int = Field(
+        64, ge=0, description="Requests that may wait for a model; one more is a 503."
+    )
+    slots_factor: float = Field(
+        2.0,
+        gt=0,
+        description="Requests of a model running at once: its ready branches' decode slots "
+        "times this.",
+    )
+    retry_after_s: float = Field(1.0, gt=0, description="Retry-After of an admission 503.")
 
 
 class ResilienceSettings(BaseModel):
@@ -515,6 +570,8 @@ class Settings(BaseSettings):
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)  # type: ignore[arg-type]
     drift: DriftSettings = Field(default_factory=DriftSettings)  # type: ignore[arg-type]
     resilience: ResilienceSettings = Field(default_factory=ResilienceSettings)  # type: ignore[arg-type]
+    auth: AuthSettings = Field(default_factory=AuthSettings)  # type: ignore[arg-type]
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)  # type: ignore[arg-type]
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
 
 

@@ -10,6 +10,7 @@ OpenAI error ``type`` and ``code``, and whether a retry elsewhere may succeed.
     ├── NotFoundError                    404 invalid_request_error (model_not_found)
     ├── AuthenticationError              401 authentication_error (no or wrong key)
     ├── PermissionDeniedError            403 permission_error (admin endpoints closed)
+    ├── RateLimitError                   429 rate_limit_error (tenant over its limits)
     ├── ConfigError                      500 (bad settings, manifest or repository)
     │   └── ManifestError
     │       └── ArtifactIntegrityError        (sha256 mismatch, missing file)
@@ -164,6 +165,19 @@ class InsufficientMemoryError(QuantrouteError):
 class ServiceUnavailableError(QuantrouteError):
     status = 503
     code = "service_unavailable"
+    retryable = True
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RateLimitError(QuantrouteError):
+    """A tenant is over one of its limits (requests or tokens per minute, concurrency)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
     retryable = True
 
     def __init__(self, message: str, *, retry_after_s: float | None = None):

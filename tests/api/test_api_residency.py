@@ -30,6 +30,7 @@ async def client(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]
         telemetry={"devices": "sim:1x8GiB", "poll_interval_s": 0.5, "sim_weight_scale": 100},
         # the test drives each round itself
         routing={"residency": False, "reload_margin_bytes": 16 * MiB},
+        drift={"fraction": 0.0},  # a replay would hold a branch busy and delay its unload
     )
     async with serving(create_app(settings)) as pair:
         yield pair

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,13 +18,15 @@ from quantroute.engines.base import (
     FinishEvent,
     FinishReason,
     GenerationRequest,
+    ReferenceLogits,
     SamplingParams,
     StartEvent,
     TokenEvent,
 )
 from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
-from quantroute.errors import ContextLengthExceededError, EngineCrashedError
+from quantroute.errors import ContextLengthExceededError, EngineCrashedError, EngineError
+from quantroute.quality.metrics import kl_divergence, log_softmax, top1_agreement
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +48,10 @@ async def engine() -> AsyncIterator[LlamaCppEngine]:
     e = await _engine()
     yield e
     await e.stop()
+
+
+def _listing(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
 
 
 def _req(prompt: str = "def ", **sampling: object) -> GenerationRequest:
@@ -200,17 +208,92 @@ async def test_a_broken_model_file_never_raises_and_fails_its_branch(tmp_path) -
     await engine.stop()
 
 
-async def test_score_reproduces_greedy_generation(engine: LlamaCppEngine) -> None:
+async def test_logits_reproduce_greedy_generation_and_score_against_themselves(
+    engine: LlamaCppEngine, tmp_path: Path
+) -> None:
     prompt = "def parse(text):\n"
     events = [
         e
         async for e in engine.generate(_req(prompt, max_tokens=24, logprobs=True, ignore_eos=True))
     ]
     toks = [e for e in events if isinstance(e, TokenEvent)]
-    rows = await engine.score(prompt, [t.token_id for t in toks])
-    assert rows.shape == (24, engine.info.n_vocab)  # type: ignore[union-attr]
-    assert [int(r.argmax()) for r in rows] == [t.token_id for t in toks]
+    tokens = [t.token_id for t in toks]
+    path = tmp_path / "ref.f32"
+    ref = await engine.write_logits(prompt, tokens, path)
+    assert (ref.path, ref.n_tokens, ref.n_vocab) == (path, 24, engine.info.n_vocab)  # type: ignore[union-attr]
+    assert path.stat().st_size == ref.nbytes
+    logits = np.fromfile(path, dtype=np.float32).reshape(24, ref.n_vocab)  # [T, V]
+    assert [int(r.argmax()) for r in logits] == tokens
+    rows = log_softmax(logits)
     for row, tok in zip(rows, toks, strict=True):
         # prefill and one-token decode use different kernels: close, not bit-equal
         assert row[tok.token_id] == pytest.approx(tok.logprob, abs=1e-2)
-    assert np.exp(rows).sum(axis=1) == pytest.approx(np.ones(24), abs=1e-4)
+    scores = await engine.score(prompt, tokens, ref)  # the same branch: no divergence
+    assert scores.kld.shape == (24,) and scores.top1.all()
+    assert scores.kld.max() < 1e-9
+
+
+async def test_a_quantized_branch_scores_against_the_reference_file(
+    engine: LlamaCppEngine, tmp_path: Path
+) -> None:
+    """q8_0 (the fixture) against f16's logits: the worker's numbers are
+    metrics.kl_divergence / top1_agreement over the two sets of rows."""
+    reference = await _engine("f16", parallel=1)
+    try:
+        prompt, tokens = "import os\n", [ord(c) + 227 for c in "def main():"]
+        ref = await reference.write_logits(prompt, tokens, tmp_path / "f16.f32")
+        mine = await engine.write_logits(prompt, tokens, tmp_path / "q8.f32")
+        scores = await engine.score(prompt, tokens, ref)
+    finally:
+        await reference.stop()
+    p = log_softmax(np.fromfile(ref.path, dtype=np.float32).reshape(len(tokens), -1))
+    q = log_softmax(np.fromfile(mine.path, dtype=np.float32).reshape(len(tokens), -1))
+    assert scores.kld == pytest.approx(kl_divergence(p, q), rel=1e-6, abs=1e-12)
+    assert (scores.top1 == top1_agreement(p, q)).all()
+    assert 0 < scores.kld.mean() < 0.05
+
+
+async def test_scoring_errors_fail_only_that_request(
+    engine: LlamaCppEngine, tmp_path: Path
+) -> None:
+    path = tmp_path / "exists.f32"
+    path.write_bytes(b"")
+    with pytest.raises(EngineError, match="File exists"):  # never overwrites a file
+        await engine.write_logits("x", [300, 301], path)
+    assert path.read_bytes() == b""
+    bogus = ReferenceLogits(tmp_path / "missing.f32", 2, engine.info.n_vocab)  # type: ignore[union-attr]
+    with pytest.raises(EngineError, match="No such file"):
+        await engine.score("x", [300, 301], bogus)
+    ref = await engine.write_logits("x", [300, 301], tmp_path / "two.f32")
+    with pytest.raises(EngineError, match="2 rows for 3 tokens"):
+        await engine.score("x", [300, 301, 302], ref)
+    wrong_vocab = ReferenceLogits(ref.path, 1, 2 * ref.n_vocab)
+    with pytest.raises(EngineError, match="vocabulary"):
+        await engine.score("x", [300], wrong_vocab)
+    assert engine.ready and engine.restarts == 0
+    _text, fin, _ = await _run(engine, _req(max_tokens=3, ignore_eos=True))
+    assert fin.completion_tokens == 3
+
+
+async def test_a_cancelled_logits_job_leaves_no_file(tmp_path: Path) -> None:
+    engine = await _engine(parallel=1, n_ctx=4096)
+    try:
+        # A long generation holds the only sequence: the logits job waits (its file made),
+        # and is cancelled while it does.
+        long = asyncio.create_task(_run(engine, _req(max_tokens=3000, ignore_eos=True)))
+        await asyncio.sleep(0.2)
+        queued = asyncio.create_task(engine.write_logits("x", [300] * 64, tmp_path / "q.f32"))
+        await asyncio.sleep(0.2)
+        assert _listing(tmp_path) == ["q.f32"] and not long.done()
+        queued.cancel()
+        long.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await long
+        with contextlib.suppress(asyncio.CancelledError):
+            await queued
+        # Round trip: the worker handled both cancels before it answers this.
+        _text, fin, _ = await _run(engine, _req(max_tokens=1, ignore_eos=True))
+        assert fin.completion_tokens == 1
+        assert _listing(tmp_path) == []
+    finally:
+        await engine.stop()

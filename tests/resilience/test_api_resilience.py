@@ -90,7 +90,9 @@ async def test_no_first_token_in_time_moves_the_request_to_the_next_branch() -> 
             json=FAST | {"model": "tiny-llama:f16"},
             headers={"x-quantroute-deadline-ms": "100"},
         )
-        assert r.status_code == 502 and "first token" in r.json()["error"]["message"]
+        # the client's own deadline: a 503 to retry, not the branch's failure
+        assert r.status_code == 503 and "first token" in r.json()["error"]["message"]
+        assert "retry-after" in r.headers
 
 
 async def test_the_retry_budget_caps_retries() -> None:

@@ -8,6 +8,8 @@ import math
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from quantroute.errors import InvalidRequestError
@@ -107,6 +109,14 @@ SECRET = "zq-secret-917"
         ({"max_kld": math.inf}, None, "quality.max_kld"),
         ({"min_top1": 1.917}, None, "quality.min_top1"),
         ({"min_top1": -0.917}, None, "quality.min_top1"),
+        # integers past every float: float() would raise OverflowError (was a 500)
+        ({"max_kld": 10**400}, None, "quality.max_kld"),
+        ({"max_kld": -(10**400)}, None, "quality.max_kld"),
+        ({"min_top1": 10**400}, None, "quality.min_top1"),
+        ({"max_kld": 0.01, "min_top1": 10**400}, None, "quality.min_top1"),
+        (None, "max_kld=" + "9" * 400, QUALITY_HEADER),
+        (None, "max_kld=²", QUALITY_HEADER),
+        (None, "max_kld=٣", QUALITY_HEADER),
         (None, f"ultra-{SECRET}", QUALITY_HEADER),
         (None, "", QUALITY_HEADER),
         (None, "max_kld=", QUALITY_HEADER),
@@ -185,6 +195,11 @@ def test_deadline(header: str | None, timeout: object, expected: float | None) -
         (None, math.nan, "timeout"),
         (None, math.inf, "timeout"),
         (None, [1], "timeout"),
+        (None, 10**400, "timeout"),
+        (None, -(10**400), "timeout"),
+        (None, 2**64, "timeout"),
+        ("9" * 500, None, DEADLINE_HEADER),
+        ("٣", None, DEADLINE_HEADER),
     ],
 )
 def test_bad_deadline_is_400(header: str | None, timeout: object, param: str) -> None:
@@ -257,3 +272,49 @@ def test_a_partial_tier_override_keeps_the_tiers_other_defaults() -> None:
     assert (cleared.tiers.balanced.max_kld, cleared.tiers.balanced.min_top1) == (0.02, None)
     exact = RoutingSettings.model_validate({"tiers": {"exact": {"wait_s": 1.5}}}).tiers.exact
     assert (exact.max_kld, exact.on_infeasible, exact.wait_s) == (0.0, "wait", 1.5)
+
+
+# ---- totality: anything parses or is a 400 ---------------------------------------------------
+
+JSON_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.sampled_from([10**400, -(10**400), 2**64, 5e-324, 1e-320]),
+    st.floats(),
+    st.text(),
+)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.one_of(st.sampled_from(["max_kld", "min_top1"]), st.text()), inner)
+    ),
+    max_leaves=6,
+)
+HEADER_VALUES = st.one_of(
+    st.none(),
+    st.text(st.characters(max_codepoint=0xFF), max_size=30),  # headers arrive as latin-1
+    st.sampled_from(["max_kld=1e-3", "min_top1=1", "250", "fast", "max_kld=" + "9" * 400]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=JSON_VALUES, header=HEADER_VALUES, deadline=HEADER_VALUES, timeout=JSON_VALUES)
+def test_any_input_is_a_requirement_or_a_400_naming_its_field(
+    body: object, header: str | None, deadline: str | None, timeout: object
+) -> None:
+    try:
+        r = parse(body, header, deadline, timeout)
+    except InvalidRequestError as exc:
+        assert exc.status == 400
+        assert exc.param in {"quality", "quality.max_kld", "quality.min_top1", "timeout"} | {
+            QUALITY_HEADER,
+            DEADLINE_HEADER,
+        }
+        return
+    for bound in (r.max_kld, r.min_top1, r.deadline_ms):
+        assert bound is None or math.isfinite(bound)
+    assert r.max_kld is None or 0.0 <= r.max_kld <= 10.0
+    assert r.min_top1 is None or 0.0 <= r.min_top1 <= 1.0
+    assert r.deadline_ms is None or 1.0 <= r.deadline_ms <= 3_600_000.0

@@ -41,6 +41,7 @@ def create_app(
     app.state.settings = settings
     app.state.gateway = gateway  # for tests and the lifespan; routes use the service only
     app.state.service = gateway.service
+    app.state.tenants = gateway.tenants
     app.include_router(router)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.server.max_body_bytes)

@@ -25,7 +25,7 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+        if length is not None and not self._within(length):
             await self._reject(send)
             return
         seen = 0
@@ -42,6 +42,16 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, limited_receive, send)
+
+    def _within(self, length: bytes) -> bool:
+        # Digits only, and no longer than the limit's own digits before int() reads
+        # them: a 5,000-digit length would pass Python's int() digit limit.
+        digits = length.strip()
+        return (
+            digits.isdigit()
+            and len(digits) <= len(str(self.max_body_bytes))
+            and int(digits) <= self.max_body_bytes
+        )
 
     def _message(self) -> str:
         return f"The request body is larger than the limit of {self.max_body_bytes} bytes."

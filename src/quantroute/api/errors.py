@@ -1,21 +1,29 @@
-"""One place that renders every error as ``{"error": {...}}`` with its status."""
+"""One place that renders every error as ``{"error": {...}}`` with its status.
+
+An exception nobody meant (a bug) becomes a 500 with the same shape, rendered by
+:class:`InternalErrorMiddleware` *inside* Starlette's ``ServerErrorMiddleware``:
+that one re-raises after answering, which makes the server drop the client's
+keep-alive connection; ours answers and keeps it. Error bodies never echo the
+request: ``param`` names a field of the schema, never a key the client made up.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quantroute.errors import (
     InvalidRequestError,
     NotFoundError,
     PayloadTooLargeError,
     QuantrouteError,
-    ServiceUnavailableError,
 )
 
 log = logging.getLogger(__name__)
@@ -23,12 +31,17 @@ log = logging.getLogger(__name__)
 
 def error_response(exc: QuantrouteError) -> JSONResponse:
     headers = {}
-    if isinstance(exc, ServiceUnavailableError) and exc.retry_after_s is not None:
-        headers["Retry-After"] = str(math.ceil(exc.retry_after_s))
+    retry_after_s = getattr(exc, "retry_after_s", None)  # 503s and 429s carry one
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
     return JSONResponse(exc.to_openai(), status_code=exc.status, headers=headers)
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+# What a location part may be to be named: a field name or a token id (logit_bias).
+# Anything else is a key the client chose (or pydantic's tag for a union member,
+# "list[TextPart]", "function-after[...]"), and the path stops before it.
+_NAMEABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}|[0-9]{1,9}")
 
 
 def validation_error(exc: RequestValidationError) -> InvalidRequestError:
@@ -38,8 +51,8 @@ def validation_error(exc: RequestValidationError) -> InvalidRequestError:
     loc: list[str] = []
     for part in raw[1:] if raw[:1] == ("body",) else raw:
         text = str(part)
-        if text in _TYPE_TAGS or "-" in text or "[" in text:
-            break  # pydantic's tag for a member of a union, not a field
+        if text in _TYPE_TAGS or not _NAMEABLE.fullmatch(text):
+            break
         loc.append(text)
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
@@ -77,10 +90,49 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=exc.status_code)
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Only for what fails outside InternalErrorMiddleware (the outer middleware).
         log.exception("%s %s failed", request.method, request.url.path)
-        return error_response(QuantrouteError("The server had an internal error."))
+        return error_response(internal_error())
 
     app.add_exception_handler(QuantrouteError, on_quantroute)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
     app.add_exception_handler(Exception, on_unexpected)
+    app.add_middleware(InternalErrorMiddleware)
+
+
+def internal_error() -> QuantrouteError:
+    return QuantrouteError("The server had an internal error.")
+
+
+class InternalErrorMiddleware:
+    """Turn an unexpected exception into a 500 error body, keeping the connection open.
+
+    Sits inside Starlette's ``ServerErrorMiddleware`` (which would answer and then
+    re-raise, so that the server closes the connection). If the response had already
+    started — a stream — there is nothing to answer with: the exception goes on, and
+    the server cuts the connection, which is how a client tells a cut body from a
+    whole one.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            if started:
+                raise
+            log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            await error_response(internal_error())(scope, receive, send)

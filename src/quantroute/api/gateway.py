@@ -14,6 +14,8 @@ part                        what it does
 ``states``                  the policy's view of every branch, built per request (``routing``)
 ``drift``                   replays sampled requests through the reference (``quality``)
 ``breakers``                one circuit breaker per branch; ``retry_budget`` (``resilience``)
+``tenants``, ``limits``     client keys and each tenant's limits (``resilience.tenants``)
+``admission``               the bounded, prioritised queue in front of each model
 ``service``                 the one object the HTTP routes call (``api.service``)
 ==========================  =================================================================
 
@@ -43,7 +45,14 @@ from quantroute.engines.supervisor import RestartPolicy
 from quantroute.quality.drift import Baseline, DriftMonitor, Replay
 from quantroute.quality.profile import load_profiles
 from quantroute.registry.repository import scan_repository
-from quantroute.resilience import BreakerPolicy, Breakers, RetryBudget
+from quantroute.resilience import (
+    Admission,
+    BreakerPolicy,
+    Breakers,
+    RetryBudget,
+    TenantLimits,
+    load_tenants,
+)
 from quantroute.routing.residency import Residency
 from quantroute.routing.states import BranchStates, RecentRate
 from quantroute.routing.table import Branch, ModelRoute, RouteTable, RouteTableRef
@@ -111,6 +120,9 @@ def build_routes(settings: Settings) -> RouteTable:
                 n_batch=e.n_batch,
                 log_level=settings.server.log_level,
                 start_timeout_s=e.start_timeout_s,
+                gen_idle_timeout_s=e.gen_idle_timeout_s,
+                score_timeout_s=e.score_timeout_s,
+                max_event_bytes=e.max_event_bytes,
                 cpus=cpus,
                 fault=e.fault_for(a.model, a.name),
             )
@@ -148,6 +160,15 @@ class Gateway:
             )
         )
         self.retry_budget = RetryBudget(ratio=r.retry_ratio, min_retries=r.retry_min)
+        self.tenants = load_tenants(settings.auth.tenants_file)
+        self.limits = TenantLimits()
+        a = settings.admission
+        self.admission = Admission(
+            queue_size=a.queue_size,
+            slots_factor=a.slots_factor,
+            retry_after_s=a.retry_after_s,
+            in_flight_of=self.limits.in_flight,
+        )
         self.poller: DevicePoller = poller_from_settings(
             self._provider, settings.telemetry, health=self.health
         )
@@ -190,6 +211,15 @@ class Gateway:
     # -- lifecycle ------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.tenants.open:
+            log.warning(
+                "no client API keys are configured (auth.tenants_file): the API is open to "
+                "anyone who can reach %s:%d",
+                self.settings.server.host,
+                self.settings.server.port,
+            )
+        else:
+            log.info("tenants: %s", ", ".join(self.tenants.names()))
         await self.poller.poll_once()
         self.poller.start()
         table = self._given_table
@@ -266,6 +296,15 @@ class Gateway:
         )
 
     # -- what the service reports back ----------------------------------------
+
+    def capacity(self, model: str) -> int:
+        """Requests of ``model`` that may run at once: its routable branches' slots."""
+        route = self.routes.current.models.get(model)
+        slots = 0
+        for b in route.branches if route else ():
+            if self.residency.routable(b) and b.engine.info is not None:
+                slots += b.engine.info.parallel
+        return self.admission.capacity(slots)
 
     def finished(self, run: Run, tokens: list[int]) -> None:
         """A request's first choice finished: count it, and offer it for drift replay."""

@@ -21,6 +21,8 @@ from quantroute.engines.base import (
 )
 from quantroute.engines.chat_template import ChatPrompt
 from quantroute.errors import EngineError
+from quantroute.resilience.admission import Ticket
+from quantroute.resilience.tenants import OPEN, Tenant
 from quantroute.routing.policy import Decision
 from quantroute.routing.table import Branch
 
@@ -40,6 +42,8 @@ class Job:
     include_usage: bool
     logprobs: bool
     deadline: float | None = None  # monotonic seconds; bounds the wait for the first token
+    tenant: Tenant = OPEN
+    ticket: Ticket | None = None  # its place among the model's running requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,7 @@ class Run:
         self._queue: asyncio.Queue[tuple[int, EngineEvent] | BaseException | None] = asyncio.Queue()
         self._pumps: list[asyncio.Task[None]] = []
         self._finished = 0
+        self.usage_tokens = 0  # prompt + completion tokens of the finished choices
         self._failed = False
         self._closed = False
 
@@ -128,6 +133,7 @@ class Run:
         self._queue.put_nowait((index, event))
         if isinstance(event, FinishEvent):
             self._finished += 1
+            self.usage_tokens += event.prompt_tokens + event.completion_tokens
         if index == 0 and isinstance(event, TokenEvent):
             tokens.append(event.token_id)
         elif index == 0 and isinstance(event, FinishEvent) and self._on_finished:
@@ -167,6 +173,8 @@ def build_job(
     *,
     max_tokens: int,
     deadline: float | None,
+    tenant: Tenant = OPEN,
+    ticket: Ticket | None = None,
 ) -> Job:
     """The engine requests of a validated request: one per choice (``n`` per prompt),
     with its sampling; ``prompt`` is the rendered chat prompt of a chat request."""
@@ -230,4 +238,6 @@ def build_job(
         req.include_usage,
         logprobs,
         deadline,
+        tenant,
+        ticket,
     )

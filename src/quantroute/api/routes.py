@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,16 +12,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from quantroute.api.auth import require_admin
+from quantroute.api.auth import require_admin, require_client, require_key_if
 from quantroute.api.jobs import Run, Tick
 from quantroute.api.render import ResponseRenderer
-from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
+from quantroute.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_generation_body,
+)
 from quantroute.api.service import Service
 from quantroute.api.sse import sse_events
 from quantroute.engines.base import StartEvent
-from quantroute.errors import InvalidRequestError
+from quantroute.resilience.tenants import Tenant
 
 router = APIRouter()
+Client = Annotated[Tenant, Depends(require_client)]  # the tenant of the request's key
 
 
 def _service(request: Request) -> Service:
@@ -38,9 +42,11 @@ def _headers(run: Run) -> dict[str, str]:
     }
 
 
-async def _respond(request: Request, body: ChatCompletionRequest | CompletionRequest) -> Any:
+async def _respond(
+    request: Request, body: ChatCompletionRequest | CompletionRequest, tenant: Tenant
+) -> Any:
     service = _service(request)
-    job = await service.prepare(body, request.headers)
+    job = await service.prepare(body, request.headers, tenant)
     run = await service.start(job)
     if job.stream:
         keepalive_s = request.app.state.settings.server.keepalive_s
@@ -79,41 +85,31 @@ async def _client_gone(request: Request) -> None:
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(request: Request, body: ChatCompletionRequest) -> Any:
-    return await _respond(request, body)
+async def chat_completions(request: Request, body: ChatCompletionRequest, tenant: Client) -> Any:
+    return await _respond(request, body, tenant)
 
 
 @router.post("/v1/completions")
-async def completions(request: Request, body: CompletionRequest) -> Any:
-    return await _respond(request, body)
+async def completions(request: Request, body: CompletionRequest, tenant: Client) -> Any:
+    return await _respond(request, body, tenant)
 
 
-@router.post("/v1/route/explain")
+@router.post("/v1/route/explain", dependencies=[Depends(require_key_if("protect_explain"))])
 async def route_explain(request: Request) -> dict[str, Any]:
     """The routing decision for a chat or text completion body, without running it."""
-    raw = await request.body()
     try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise InvalidRequestError("The request body is not valid JSON.") from exc
-    schema: type[ChatCompletionRequest | CompletionRequest] = (
-        ChatCompletionRequest
-        if isinstance(data, dict) and "messages" in data
-        else CompletionRequest
-    )
-    try:
-        body = schema.model_validate(data)
+        body = parse_generation_body(await request.body())
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from exc
     return _service(request).explain(body, request.headers)
 
 
 @router.get("/v1/models")
-async def models(request: Request) -> dict[str, Any]:
-    return _service(request).models()
+async def models(request: Request, tenant: Client) -> dict[str, Any]:
+    return _service(request).models(tenant)
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=[Depends(require_key_if("protect_metrics"))])
 async def metrics(request: Request) -> Response:
     """Prometheus metrics of branches and devices (text exposition format)."""
     return Response(_service(request).metrics(), media_type=CONTENT_TYPE_LATEST)

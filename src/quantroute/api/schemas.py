@@ -2,20 +2,50 @@
 
 Bounds that depend on settings (``max_tokens``, ``n``, ``stop``) are checked
 by :func:`check_limits`; the rest here. Unknown fields are rejected, so a
-misspelt parameter is a 400 rather than silently ignored.
+misspelt parameter is a 400 rather than silently ignored. Strings may hold any
+Unicode but lone surrogates (``"\\ud800"``), which no encoder can write out.
+
+:func:`parse_generation_body` parses a raw body for the endpoints that read
+it themselves (``/v1/route/explain``): at most :data:`MAX_JSON_DEPTH` levels
+of nesting, checked before the parser recurses.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from quantroute.config import LimitSettings
 from quantroute.errors import InvalidRequestError
 
+__all__ = [
+    "MAX_JSON_DEPTH",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "StreamOptions",
+    "TextPart",
+    "check_limits",
+    "parse_generation_body",
+]
+
+MAX_JSON_DEPTH = 64
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_TOKEN_ID = re.compile(r"[0-9]{1,9}")  # ASCII digits: str.isdigit() takes "²" and "٣"
+
+
+def _encodable(value: str) -> str:
+    if _SURROGATE.search(value):
+        raise ValueError("strings must not hold lone surrogates (\\ud800-\\udfff)")
+    return value
+
+
 _Strict = ConfigDict(extra="forbid", strict=True)
-Text = Annotated[str, Field(max_length=1 << 22)]
+Str = Annotated[str, AfterValidator(_encodable)]
+Text = Annotated[str, Field(max_length=1 << 22), AfterValidator(_encodable)]
 
 
 class StreamOptions(BaseModel):
@@ -26,17 +56,17 @@ class StreamOptions(BaseModel):
 class _GenerationBase(BaseModel):
     model_config = _Strict
 
-    model: str = Field(min_length=1, max_length=256)
+    model: Str = Field(min_length=1, max_length=256)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=1000, description="quantroute extension; 0 is off")
     n: int = Field(1, ge=1)
-    stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
+    stop: Str | list[Annotated[Str, Field(min_length=1)]] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, max_length=256)
+    user: Str | None = Field(None, max_length=256)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
         None, max_length=300
     )
@@ -44,6 +74,9 @@ class _GenerationBase(BaseModel):
     # Routing extensions, checked by routing.requirement.parse_requirement:
     quality: Any = Field(None, description="a tier name or {max_kld, min_top1}")
     timeout: Any = Field(None, description="deadline in seconds")
+    priority: int | None = Field(
+        None, ge=-10, le=10, description="admission priority, added to the tenant's"
+    )
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
 
@@ -51,11 +84,16 @@ class _GenerationBase(BaseModel):
     def _supported(self) -> _GenerationBase:
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty and frequency_penalty are not supported yet; use 0")
-        if self.logit_bias and not all(k.isdigit() and len(k) <= 9 for k in self.logit_bias):
-            raise ValueError("logit_bias keys must be token ids")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
         return self
+
+    @field_validator("logit_bias", mode="after")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value and not all(_TOKEN_ID.fullmatch(k) for k in value):
+            raise ValueError("keys must be token ids (1 to 9 ASCII digits)")
+        return value
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -79,18 +117,29 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    """One message. ``content`` is required for every role: OpenAI lets an assistant
+    message carry ``tool_calls`` instead, but quantroute takes no tools, so a message
+    without content says nothing (and a silently empty turn would change the prompt)."""
+
+    model_config = _Strict
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
-    name: str | None = Field(None, max_length=64)
+    content: Text | Annotated[list[TextPart], Field(min_length=1)] | None = Field(
+        None, validate_default=True
+    )
+    name: Str | None = Field(None, max_length=64)
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _required(cls, value: str | list[TextPart] | None) -> str | list[TextPart]:
+        if value is None:
+            raise ValueError("content is required: a string or a list of text parts")
+        return value
 
     @property
     def text(self) -> str:
-        if self.content is None:
-            return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content or ())
 
 
 class ChatCompletionRequest(_GenerationBase):
@@ -167,3 +216,48 @@ def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: LimitSe
             raise InvalidRequestError(
                 f"prompt may hold at most {limits.max_prompt_chars} characters", param="prompt"
             )
+
+
+def parse_generation_body(raw: bytes) -> ChatCompletionRequest | CompletionRequest:
+    """A chat body (one with ``messages``) or a completion body, from raw bytes.
+
+    Malformed JSON, or JSON nested deeper than :data:`MAX_JSON_DEPTH`, is an
+    :class:`InvalidRequestError`; a body that parses but breaks the schema raises
+    pydantic's ``ValidationError`` for the caller to render."""
+    if _too_deep(raw, MAX_JSON_DEPTH):
+        raise InvalidRequestError(
+            f"The request body is nested deeper than {MAX_JSON_DEPTH} levels."
+        )
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:  # also bad UTF-8 and integers past Python's digit limit
+        raise InvalidRequestError("The request body is not valid JSON.") from exc
+    if isinstance(data, dict) and "messages" in data:
+        return ChatCompletionRequest.model_validate(data)
+    return CompletionRequest.model_validate(data)
+
+
+# A JSON string, unrolled so that long strings are one tight loop in the regex engine.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# Keep the brackets, and read "{}" as "[]": for depth, both are one level.
+_AS_BRACKETS = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _too_deep(raw: bytes, limit: int) -> bool:
+    """Whether ``raw`` nests ``[`` / ``{`` (outside strings) more than ``limit`` deep,
+    or leaves more than ``limit`` of them open. Each pass strips one level of matched
+    pairs, in C; at most ``limit`` passes.
+
+    >>> _too_deep(b'{"a": [1, {"b": "[[[[[["}]}', 3), _too_deep(b'[[[[]]]]', 3)
+    (False, True)
+    """
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    brackets = _JSON_STRING.sub(b"", raw).translate(_AS_BRACKETS, _NOT_BRACKETS)
+    for _ in range(limit):
+        stripped = brackets.replace(b"[]", b"")
+        if len(stripped) == len(brackets):
+            break
+        brackets = stripped
+    return b"[]" in brackets or brackets.count(b"[") > limit

@@ -14,28 +14,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from quantroute.api import views
-from quantroute.api.jobs import Job, Run, build_job, close_all
+from quantroute.api.jobs import Job, Run, build_job
+from quantroute.api.runner import Runner
 from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest, check_limits
-from quantroute.engines.base import (
-    EngineEvent,
-    FinishEvent,
-    StartEvent,
-    TokenEvent,
-)
-from quantroute.engines.chat_template import render_chat
+from quantroute.engines.chat_template import render_chat_bounded
 from quantroute.errors import (
-    ContextLengthExceededError,
-    DeviceOutOfMemoryError,
-    EngineError,
     InvalidRequestError,
     NotFoundError,
     QuantrouteError,
+    RateLimitError,
     ServiceUnavailableError,
 )
+from quantroute.resilience.tenants import OPEN, Tenant
 from quantroute.routing.policy import Decision, choose, explain, pinned
 from quantroute.routing.records import RequestShape
 from quantroute.routing.requirement import (
@@ -63,6 +57,7 @@ class Service:
     def __init__(self, gateway: Gateway):
         self._gateway = gateway
         self._settings = gateway.settings
+        self._runner = Runner(gateway)
 
     # -- routing ----------------------------------------------------------------
 
@@ -108,6 +103,7 @@ class Service:
         """The decision for ``req`` without running it: per branch, each filter and the score."""
         check_limits(req, self._settings.limits)
         route, branch = lookup(self._gateway.routes.current, req.model)
+        requirement, shape = self._routing_inputs(req, headers)  # a bad header is a 400 here too
         body: dict[str, Any] = {"model": route.name}
         if branch is not None:
             ready = self._gateway.residency.routable(branch)
@@ -118,15 +114,9 @@ class Service:
             }
             body["branches"] = []
             return body
-        requirement, shape = self._routing_inputs(req, headers)
         states = self._gateway.states.read(route.name)
-        body["requirement"] = {
-            "tier": requirement.tier,
-            "max_kld": requirement.max_kld,
-            "min_top1": requirement.min_top1,
-            "deadline_ms": requirement.deadline_ms,
-            "explicit": requirement.explicit,
-        }
+        fields = ("tier", "max_kld", "min_top1", "deadline_ms", "explicit")
+        body["requirement"] = {f: getattr(requirement, f) for f in fields}
         body["request"] = {"prompt_tokens_max": shape.prompt_tokens, "max_tokens": shape.max_tokens}
         settings = self._settings.routing
         try:
@@ -172,143 +162,79 @@ class Service:
         self,
         req: ChatCompletionRequest | CompletionRequest,
         headers: Mapping[str, str] | None = None,
+        tenant: Tenant = OPEN,
     ) -> Job:
+        """Check the request, admit it (tenant limits, the model's queue), route it, and
+        build its engine requests. The job holds its admission ticket from here on:
+        ``start`` (or, if it is never started, :meth:`abandon`) gives it back."""
+        headers = headers or {}
         check_limits(req, self._settings.limits)
-        decision, branches, deadline = await self.decide(req, headers or {})
-        prompt = None
-        if isinstance(req, ChatCompletionRequest):
-            info = branches[0].engine.info
-            prompt = render_chat(
-                [{"role": m.role, "content": m.text} for m in req.messages],
-                model_template=info.chat_template if info else None,
-                bos_token=info.bos_token if info else "",
-                eos_token=info.eos_token if info else "",
+        gateway = self._gateway
+        route, _ = lookup(gateway.routes.current, req.model)
+        if not tenant.may_use(route.name):
+            raise NotFoundError(
+                "The requested model does not exist, or this key may not use it.", param="model"
             )
-        return build_job(
-            req,
-            decision,
-            branches,
-            prompt,
-            max_tokens=self._settings.limits.max_tokens,
+        over = gateway.limits.check(tenant)
+        if over is not None:
+            limit, retry_s = over
+            raise RateLimitError(
+                f"this key is over its {limit.replace('_', ' ')} limit", retry_after_s=retry_s
+            )
+        requirement, _ = self._routing_inputs(req, headers)
+        ms = requirement.deadline_ms
+        deadline = None if ms is None else time.monotonic() + ms / 1000.0
+        ticket = await gateway.admission.enter(
+            route.name,
+            capacity=gateway.capacity(route.name),
+            priority=tenant.priority + (getattr(req, "priority", None) or 0),
+            tenant=tenant.name,
             deadline=deadline,
         )
+        try:
+            decision, branches, _ = await self.decide(req, headers)
+            prompt = None
+            if isinstance(req, ChatCompletionRequest):
+                info = branches[0].engine.info
+                limits = self._settings.limits
+                prompt = await render_chat_bounded(  # off the loop, within a time and size
+                    [{"role": m.role, "content": m.text} for m in req.messages],
+                    model_template=info.chat_template if info else None,
+                    bos_token=info.bos_token if info else "",
+                    eos_token=info.eos_token if info else "",
+                    timeout_s=limits.template_timeout_s,
+                    max_chars=limits.template_max_chars,
+                )
+            job = build_job(
+                req,
+                decision,
+                branches,
+                prompt,
+                max_tokens=self._settings.limits.max_tokens,
+                deadline=deadline,
+                tenant=tenant,
+                ticket=ticket,
+            )
+        except BaseException:
+            ticket.release()
+            raise
+        gateway.limits.started(tenant)
+        return job
+
+    def abandon(self, job: Job, tokens: int = 0) -> None:
+        """The job is over: give back its admission ticket and count its tokens."""
+        self._runner.abandon(job, tokens)
 
     async def start(self, job: Job) -> Run:
-        """Open every choice on the first branch that takes them all.
-
-        The commit point is each choice's first token: until then any failure of the
-        branch (an error, its worker's death, an out-of-memory, no first token in
-        ``resilience.first_token_timeout_s`` or by the deadline) moves the request to
-        the decision's next branch, within the retry budget. A branch whose breaker
-        is open is passed over (that is not its failure). Afterwards an error ends the
-        stream (an error event, no ``[DONE]``)."""
-        gateway = self._gateway
-        budget = gateway.retry_budget
-        budget.start()
-        retries = 0
-        last: EngineError | None = None
-        tried = 0
-        try:
-            for branch in job.branches:
-                if not gateway.breakers.acquire(branch.id):
-                    continue  # open: its own rejection, never counted as a failure
-                if tried and not budget.try_retry():
-                    gateway.breakers.release(branch.id)
-                    log.warning("job %s: retry budget spent; not trying %s", job.id, branch.id)
-                    break
-                retries += 1 if tried else 0
-                tried += 1
-                try:
-                    run = await self._open(job, branch, retries)
-                except ContextLengthExceededError as exc:
-                    gateway.breakers.release(branch.id)  # the request's fault, not the branch's
-                    exc.param = "messages" if job.kind == "chat" else "prompt"
-                    raise
-                except EngineError as exc:
-                    gateway.breakers.failure(branch.id)
-                    last = exc
-                    log.warning(
-                        "job %s: branch %s failed before its first token: %s",
-                        job.id,
-                        branch.id,
-                        exc.message,
-                    )
-                    continue
-                except BaseException:
-                    gateway.breakers.release(branch.id)
-                    raise
-                return run
-        except BaseException:
-            budget.finish(retries)
-            raise
-        budget.finish(retries)
-        if last is not None and len(job.branches) == 1:
-            raise last
-        raise ServiceUnavailableError(
-            f"every branch of {job.decision.model} failed or is shedding load; retry later",
-            retry_after_s=self._settings.routing.retry_after_s,
-        )
-
-    async def _open(self, job: Job, branch: Branch, retries: int) -> Run:
-        """Every choice of ``job`` on ``branch``, up to its first token; raises an
-        ``EngineError`` (after closing what it opened) if the branch fails before."""
-        if not self._gateway.occupancy.admit(branch.id):
-            raise DeviceOutOfMemoryError(f"the device of branch {branch.id} is out of memory")
-        timeout_s = self._settings.resilience.first_token_timeout_s
-        if job.deadline is not None:
-            timeout_s = min(timeout_s, max(0.0, job.deadline - time.monotonic()))
-        streams: list[AsyncIterator[EngineEvent]] = []
-        pending: list[list[EngineEvent]] = []
-        prompt_tokens: list[int] = []
-        try:
-            async with asyncio.timeout(timeout_s):
-                for request in job.requests:
-                    stream = aiter(branch.engine.generate(request))
-                    streams.append(stream)
-                    first = await anext(stream)
-                    if not isinstance(first, StartEvent):
-                        raise EngineError(f"branch {branch.id} skipped its start event")
-                    prompt_tokens.append(first.prompt_tokens)
-                    events: list[EngineEvent] = [first]
-                    while not isinstance(events[-1], TokenEvent | FinishEvent):
-                        events.append(await anext(stream))
-                    pending.append(events)
-        except TimeoutError as exc:
-            await close_all(streams)
-            raise EngineError(
-                f"branch {branch.id} sent no first token in {timeout_s:.3g} s"
-            ) from exc
-        except StopAsyncIteration as exc:
-            await close_all(streams)
-            raise EngineError(f"branch {branch.id} ended a stream without finishing") from exc
-        except BaseException:
-            await close_all(streams)
-            raise
-
-        def done(run: Run, ok: bool | None) -> None:
-            self._gateway.retry_budget.finish(retries)
-            if ok is True:
-                self._gateway.breakers.success(branch.id)
-            elif ok is False:
-                self._gateway.breakers.failure(branch.id)
-            else:
-                self._gateway.breakers.release(branch.id)
-
-        return Run(
-            job,
-            branch,
-            streams,
-            prompt_tokens,
-            self._gateway.finished,
-            pending=pending,
-            on_done=done,
-        )
+        """Run ``job`` on the first branch of its decision that gets to its first token
+        (:meth:`quantroute.api.runner.Runner.start`)."""
+        return await self._runner.start(job)
 
     # -- views and operator actions ----------------------------------------------
 
-    def models(self) -> dict[str, Any]:
-        """The body of ``GET /v1/models``."""
-        return views.models_json(self._gateway)
+    def models(self, tenant: Tenant = OPEN) -> dict[str, Any]:
+        """The body of ``GET /v1/models``: the models ``tenant`` may use."""
+        return views.models_json(self._gateway, tenant)
 
     def devices(self) -> dict[str, Any]:
         """The body of ``GET /v1/devices``."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from quantroute.observability import render_metrics
 from quantroute.observability.metrics import BranchSample, DeviceSample
 from quantroute.quality.profile import BranchProfile
-from quantroute.resilience import BreakerState
+from quantroute.resilience import OPEN, BreakerState, Tenant
 from quantroute.routing.table import Branch
 from quantroute.telemetry import snapshot_to_json
 
@@ -35,9 +35,11 @@ def branch_state(gateway: Gateway, branch: Branch) -> tuple[str, str | None]:
     return "starting", None
 
 
-def models_json(gateway: Gateway) -> dict[str, Any]:
+def models_json(gateway: Gateway, tenant: Tenant = OPEN) -> dict[str, Any]:
     data: list[dict[str, Any]] = []
     for route in gateway.routes.current.models.values():
+        if not tenant.may_use(route.name):
+            continue
         branches = []
         for b in route.branches:
             state, why = branch_state(gateway, b)

@@ -10,11 +10,13 @@ from quantroute.engines.base import (
     FinishEvent,
     FinishReason,
     GenerationRequest,
+    ReferenceLogits,
     SamplingParams,
     StartEvent,
     TokenEvent,
+    TokenScores,
 )
-from quantroute.engines.chat_template import ChatPrompt, render_chat
+from quantroute.engines.chat_template import ChatPrompt, render_chat, render_chat_bounded
 from quantroute.engines.exits import describe_exit
 from quantroute.engines.fake import FakeEngine, FakeFaults
 from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
@@ -36,15 +38,18 @@ __all__ = [
     "FinishReason",
     "GenerationRequest",
     "LlamaCppEngine",
+    "ReferenceLogits",
     "RestartPolicy",
     "SamplingParams",
     "StartEvent",
     "StopMatcher",
     "TokenEvent",
+    "TokenScores",
     "WorkerOptions",
     "WorkerSupervisor",
     "decode_check",
     "describe_exit",
     "probe_build",
     "render_chat",
+    "render_chat_bounded",
 ]

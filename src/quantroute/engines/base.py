@@ -10,6 +10,12 @@ Errors are raised from the iterator as :mod:`quantroute.errors` exceptions:
 ``ContextLengthExceededError`` before ``StartEvent``; ``EngineCrashedError``
 when the worker dies mid-stream. Closing the iterator early (``aclose``, or a
 cancelled task) cancels the generation in the engine.
+
+Scoring (the drift monitor's teacher-forced replay) is two calls, so that no
+vocabulary-sized array ever crosses a pipe or the gateway's memory::
+
+    ref = await reference.write_logits(prompt, tokens, path)   # [T, V] float32 in a file
+    scores = await branch.score(prompt, tokens, ref)            # TokenScores: [T] each
 """
 
 from __future__ import annotations
@@ -106,6 +112,30 @@ class EngineInfo:
     pid: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class ReferenceLogits:
+    """Teacher-forced logits one engine wrote to a file for another to compare with:
+    ``n_tokens`` rows of ``n_vocab`` float32 (native byte order, row-major, no header);
+    row ``t`` is the distribution that predicted token ``t``."""
+
+    path: Path
+    n_tokens: int
+    n_vocab: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_tokens * self.n_vocab * 4
+
+
+@dataclass(frozen=True, slots=True)
+class TokenScores:
+    """A branch against its reference on the same teacher-forced tokens, per token."""
+
+    kld: npt.NDArray[np.float64]  # [T] KL(reference ‖ branch), nats; inf where the branch
+    # gives no mass to a token the reference does
+    top1: npt.NDArray[np.bool_]  # [T] both put their maximum on the same token
+
+
 class EngineListener(Protocol):
     """Told of an engine's lifecycle (placement and memory accounting live outside it)."""
 
@@ -136,8 +166,8 @@ class Engine(Protocol):
     process, for footprint measurement; ``None`` when it has none here),
     ``model_path`` (a local model file the memory model can read; ``None`` for
     a remote engine, which costs no local memory), ``failure`` (why it is
-    failed, in words), ``can_score`` (whether ``score`` works: the drift
-    monitor's teacher-forced replay).
+    failed, in words), ``can_score`` (whether ``write_logits`` and ``score``
+    work: the drift monitor's teacher-forced replay).
     """
 
     @property
@@ -179,8 +209,25 @@ class Engine(Protocol):
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]: ...
 
+    async def write_logits(
+        self, prompt: str, tokens: list[int], path: Path, *, parse_special: bool = False
+    ) -> ReferenceLogits:
+        """Teacher-force ``tokens`` after ``prompt`` and write the logits that predicted
+        each of them to ``path`` (a new file, never an existing one: ``[len(tokens),
+        n_vocab]`` float32). Only where ``can_score``. The caller owns ``path`` and
+        deletes it when done, whether the call succeeded or not: an engine removes the
+        file of a job that failed or was cancelled, but one whose process died may
+        leave it behind."""
+
     async def score(
-        self, prompt: str, tokens: list[int], *, parse_special: bool = False
-    ) -> npt.NDArray[np.float32]:
-        """Teacher-force ``tokens`` after ``prompt``: the log-softmax rows that predicted
-        each of them, ``[len(tokens), n_vocab]``. Only where ``can_score``."""
+        self,
+        prompt: str,
+        tokens: list[int],
+        reference: ReferenceLogits,
+        *,
+        parse_special: bool = False,
+    ) -> TokenScores:
+        """Teacher-force the same ``tokens`` after ``prompt`` and compare, token by token,
+        with ``reference`` (another engine's :meth:`write_logits` of them): per-token
+        ``KL(reference ‖ this)`` and top-1 agreement, computed where the distributions
+        are. Only where ``can_score``."""

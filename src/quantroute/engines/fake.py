@@ -10,9 +10,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
-import numpy.typing as npt
-
 from quantroute.engines.base import (
     EngineEvent,
     EngineInfo,
@@ -20,8 +17,10 @@ from quantroute.engines.base import (
     FinishEvent,
     FinishReason,
     GenerationRequest,
+    ReferenceLogits,
     StartEvent,
     TokenEvent,
+    TokenScores,
 )
 from quantroute.engines.stops import StopMatcher
 from quantroute.errors import ContextLengthExceededError, EngineCrashedError, EngineUnavailableError
@@ -116,9 +115,19 @@ class FakeEngine:
         await self.stop()
         await self.start()
 
+    async def write_logits(
+        self, prompt: str, tokens: list[int], path: Path, *, parse_special: bool = False
+    ) -> ReferenceLogits:
+        raise EngineUnavailableError("a fake engine does not score")
+
     async def score(
-        self, prompt: str, tokens: list[int], *, parse_special: bool = False
-    ) -> npt.NDArray[np.float32]:
+        self,
+        prompt: str,
+        tokens: list[int],
+        reference: ReferenceLogits,
+        *,
+        parse_special: bool = False,
+    ) -> TokenScores:
         raise EngineUnavailableError("a fake engine does not score")
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:

@@ -7,25 +7,35 @@ supervisor restarts it. A new worker is warmed up (one batch of prompt, one
 token) before it is ready, so the first decode — where a CPU that lacks an
 instruction of the build dies — happens before any request is routed to it;
 a worker that keeps failing marks the branch failed (``failure``).
+
+Nothing waits on the worker forever. The reader task is supervised: if it
+fails (a line over the pipe's limit, output that is not the protocol), the
+worker is *abandoned* — every in-flight request gets ``EngineCrashedError``,
+the process is killed and the supervisor restarts it. Every exchange has a
+timeout (``WorkerOptions.gen_idle_timeout_s`` between a generation's events,
+``score_timeout_s`` for a whole scoring command); a request that runs out
+gets ``EngineError`` (code ``engine_timeout``), and if the worker has sent
+nothing at all for that long it is abandoned too. Commands are written with
+``drain()``, within the same timeouts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import itertools
 import json
 import logging
 import os
+import signal
 import sys
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from quantroute.engines.base import (
     EngineEvent,
@@ -34,9 +44,11 @@ from quantroute.engines.base import (
     FinishEvent,
     FinishReason,
     GenerationRequest,
+    ReferenceLogits,
     SamplingParams,
     StartEvent,
     TokenEvent,
+    TokenScores,
 )
 from quantroute.engines.exits import describe_exit
 from quantroute.engines.supervisor import RestartPolicy, WorkerSupervisor
@@ -52,6 +64,13 @@ log = logging.getLogger(__name__)
 
 _Item = dict[str, Any] | BaseException
 
+PIPE_LINE_LIMIT_BYTES = 1 << 24
+"""The longest line the gateway reads from a worker (``engines/supervisor.py`` opens the
+pipe with this ``limit``); a longer one kills the reader, and the worker is restarted."""
+
+# Read by the gateway only; not passed to the worker.
+_GATEWAY_ONLY = frozenset({"start_timeout_s", "gen_idle_timeout_s", "score_timeout_s", "gpu"})
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerOptions:
@@ -62,9 +81,24 @@ class WorkerOptions:
     n_gpu_layers: int = 0
     log_level: str = "info"
     start_timeout_s: float = 120.0
+    # A generation's longest wait for its next event (a request queued behind long ones
+    # waits for a free sequence, so this is generous).
+    gen_idle_timeout_s: float = 300.0
+    score_timeout_s: float = 300.0  # a whole scoring command (logits or score)
+    # The worker's longest event line; a longer event is an error for its request only.
+    max_event_bytes: int = 1 << 20
     cpus: tuple[int, ...] = ()  # pin the worker to these cores; () leaves it unpinned
     fault: str = ""  # fault injection for tests (see llamacpp_worker --fault)
     gpu: int | None = None  # CUDA device index (NVML order); None: the CPU
+
+    def __post_init__(self) -> None:
+        if not 1024 <= self.max_event_bytes <= PIPE_LINE_LIMIT_BYTES // 2:
+            raise ValueError(
+                f"max_event_bytes must lie in [1024, {PIPE_LINE_LIMIT_BYTES // 2}] (half the "
+                f"pipe's line limit), not {self.max_event_bytes}"
+            )
+        if self.gen_idle_timeout_s <= 0 or self.score_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
 
     def argv(self, model_path: Path) -> list[str]:
         argv = [sys.executable, "-m", "quantroute.engines.llamacpp_worker"]
@@ -76,7 +110,7 @@ class WorkerOptions:
             elif key == "fault":
                 if value:
                     argv += ["--fault", value]
-            elif key not in ("start_timeout_s", "gpu"):
+            elif key not in _GATEWAY_ONLY:
                 argv += [f"--{key.replace('_', '-')}", str(value)]
         return argv
 
@@ -111,6 +145,8 @@ class LlamaCppEngine:
         self._streams: dict[str, asyncio.Queue[_Item]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._ids = itertools.count()
+        self._last_line_at = time.monotonic()  # when the worker last sent anything
+        self._abandoned: str | None = None  # why we killed the current worker, if we did
         self._supervisor = WorkerSupervisor(
             name,
             options.argv(model_path),
@@ -196,6 +232,7 @@ class LlamaCppEngine:
 
     async def _on_start(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
+        self._abandoned = None
         line = await asyncio.wait_for(proc.stdout.readline(), self._options.start_timeout_s)
         if not line:
             raise EngineError(f"{self.name}: worker exited while loading {self.model_path.name}")
@@ -203,6 +240,7 @@ class LlamaCppEngine:
         if hello.get("ev") != "ready":
             raise EngineError(f"{self.name}: worker sent {hello.get('ev')!r} before 'ready'")
         self._info = EngineInfo(**hello["info"])
+        self._last_line_at = time.monotonic()
         self._reader = asyncio.create_task(self._read(proc), name=f"read:{self.name}")
         self._accepting = True
         await self._warm_up(self._info)
@@ -233,6 +271,8 @@ class LlamaCppEngine:
         self._ready = False
         self._accepting = False
         cause = describe_exit(returncode)
+        if self._abandoned is not None and returncode == -signal.SIGKILL:
+            cause = f"killed by the gateway: {self._abandoned}"
         log.error(
             "%s: worker died (%s) with %d requests in flight",
             self.name,
@@ -255,47 +295,131 @@ class LlamaCppEngine:
             stream.put_nowait(exc)
 
     async def _read(self, proc: asyncio.subprocess.Process) -> None:
-        assert proc.stdout is not None
-        while line := await proc.stdout.readline():
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                log.error("%s: unreadable line from the worker dropped", self.name)
-                continue
-            stream = self._streams.get(event.get("id", ""))
-            if stream is not None:
-                stream.put_nowait(event)
+        """Fan the worker's events out to their requests, until its output ends. Any
+        failure here abandons the worker: nothing would ever read its answers again."""
+        try:
+            await self._pump(proc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a line over the limit (ValueError), or a bug: never silent
+            self._abandon(proc, f"its output could not be read ({type(exc).__name__}: {exc})")
+            return
         # The worker closed its stdout: it is dying. Fail what waits on it now (a warm-up
         # included), rather than when the supervisor notices the exit.
+        if self._supervisor.process is not proc:
+            return  # a worker we abandoned, already replaced
         self._accepting = False
         try:
             code = await asyncio.wait_for(proc.wait(), 5.0)
             cause = describe_exit(code)
         except TimeoutError:
             cause = "it closed its output"
-        self._fail_all(
-            EngineCrashedError(f"the worker serving {self.name} stopped unexpectedly: {cause}")
-        )
+        if self._supervisor.process is proc:
+            self._fail_all(
+                EngineCrashedError(f"the worker serving {self.name} stopped unexpectedly: {cause}")
+            )
 
-    def _send(self, command: dict[str, Any]) -> None:
+    async def _pump(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        while line := await proc.stdout.readline():
+            self._last_line_at = time.monotonic()
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                log.error("%s: unreadable line from the worker dropped", self.name)
+                continue
+            if not isinstance(event, dict):
+                log.error("%s: a line from the worker that is not an event dropped", self.name)
+                continue
+            stream = self._streams.get(str(event.get("id", "")))
+            if stream is not None:
+                stream.put_nowait(event)
+
+    def _abandon(self, proc: asyncio.subprocess.Process, cause: str) -> None:
+        """Give up on this worker: fail every request on it, kill it (the supervisor
+        restarts it, counting the run like any other that ended badly), say why."""
+        if self._supervisor.process is not proc or proc.returncode is not None:
+            return  # already gone: its exit is being handled
+        if self._abandoned is not None:
+            return  # already given up on (by another request's timeout, say)
+        log.error(
+            "%s: abandoning worker %d with %d requests in flight: %s; killing it for a restart",
+            self.name,
+            proc.pid,
+            len(self._streams),
+            cause,
+        )
+        self._abandoned = cause
+        self._ready = False
+        self._accepting = False
+        self._fail_all(EngineCrashedError(f"the worker serving {self.name} failed: {cause}"))
+        self._supervisor.kill(cause)
+
+    def _writable(self) -> asyncio.subprocess.Process:
         proc = self._supervisor.process
         if proc is None or proc.stdin is None or proc.returncode is not None or not self._accepting:
             raise EngineUnavailableError(f"branch {self.name} is not ready")
+        return proc
+
+    async def _send(self, command: dict[str, Any], timeout_s: float | None) -> None:
+        """Write one command and wait, up to ``timeout_s``, until the pipe takes it."""
+        proc = self._writable()
+        assert proc.stdin is not None
         proc.stdin.write(json.dumps(command, separators=(",", ":")).encode() + b"\n")
+        try:
+            async with asyncio.timeout(timeout_s):
+                await proc.stdin.drain()
+        except TimeoutError as exc:  # its stdin is full and it reads nothing: stuck
+            self._abandon(proc, f"it took no command for {timeout_s or 0:.0f}s")
+            raise EngineError(
+                f"branch {self.name}: the worker took no command for {timeout_s or 0:.0f}s",
+                code="engine_timeout",
+            ) from exc
+        except ConnectionError as exc:  # it is dying; its exit fails the rest
+            raise EngineUnavailableError(f"branch {self.name} is not ready") from exc
+
+    def _post(self, command: dict[str, Any]) -> None:
+        """Write a small command without waiting (a cancel, from a ``finally``)."""
+        with contextlib.suppress(EngineError, ConnectionError):
+            stdin = self._writable().stdin
+            assert stdin is not None
+            stdin.write(json.dumps(command, separators=(",", ":")).encode() + b"\n")
 
     async def _exchange(
-        self, command: dict[str, Any], last: str
+        self,
+        command: dict[str, Any],
+        last: str,
+        *,
+        idle_timeout_s: float | None = None,
+        timeout_s: float | None = None,
     ) -> AsyncGenerator[dict[str, Any], None]:
         """Send ``command``; yield the worker's events for it up to the one named ``last``.
-        An ``err`` event or a dead worker raises; leaving early cancels the command."""
+        An ``err`` event, a dead worker, ``idle_timeout_s`` without an event or
+        ``timeout_s`` in all raises; leaving early cancels the command."""
         rid = command["id"]
+        proc = self._writable()
         stream: asyncio.Queue[_Item] = asyncio.Queue()
         self._streams[rid] = stream
         done = False
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+
+        def wait_s() -> float | None:  # the longest wait for the next event
+            waits = [] if idle_timeout_s is None else [idle_timeout_s]
+            if deadline is not None:
+                waits.append(max(0.0, deadline - loop.time()))
+            return min(waits) if waits else None
+
         try:
-            self._send(command)
+            await self._send(command, wait_s())
             while True:
-                item = await stream.get()
+                wait = wait_s()
+                try:
+                    async with asyncio.timeout(wait):
+                        item = await stream.get()
+                except TimeoutError as exc:
+                    stuck_after_s = idle_timeout_s or timeout_s or 0.0
+                    raise self._timed_out(proc, wait or 0.0, stuck_after_s) from exc
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -309,29 +433,75 @@ class LlamaCppEngine:
         finally:
             self._streams.pop(rid, None)
             if not done:
-                with contextlib.suppress(EngineError):
-                    self._send({"op": "cancel", "id": rid})
+                self._post({"op": "cancel", "id": rid})
+
+    def _timed_out(
+        self, proc: asyncio.subprocess.Process, wait_s: float, stuck_after_s: float
+    ) -> EngineError:
+        """A request waited ``wait_s`` in vain. A worker that has sent nothing at all for
+        the whole timeout is stuck, and abandoned; one busy with others (or only quiet
+        for the end of a scoring command's total) failed this request alone."""
+        silent_s = time.monotonic() - self._last_line_at
+        if silent_s >= stuck_after_s:
+            self._abandon(proc, f"it sent nothing for {silent_s:.0f}s with requests waiting")
+        return EngineError(
+            f"branch {self.name}: no answer from the worker in {wait_s:.0f}s",
+            code="engine_timeout",
+        )
 
     # -- scoring --------------------------------------------------------------
 
+    async def write_logits(
+        self, prompt: str, tokens: list[int], path: Path, *, parse_special: bool = False
+    ) -> ReferenceLogits:
+        """Teacher-force ``tokens`` after ``prompt``; the worker writes the float32 logits
+        that predicted each of them to ``path`` (see ``Engine.write_logits``)."""
+        command = self._score_command("logits", prompt, tokens, parse_special)
+        command["path"] = str(path)
+        event = await self._score(command, "logits")
+        n_tokens, n_vocab = (int(n) for n in event["shape"])
+        return ReferenceLogits(Path(event["path"]), n_tokens, n_vocab)
+
     async def score(
-        self, prompt: str, tokens: list[int], *, parse_special: bool = False
-    ) -> npt.NDArray[np.float32]:
-        """Teacher-force ``tokens`` after ``prompt``; return the log-softmax rows
-        that predicted each of them, ``[len(tokens), n_vocab]``."""
-        command = {
-            "op": "score",
-            "id": f"score.{next(self._ids)}",
+        self,
+        prompt: str,
+        tokens: list[int],
+        reference: ReferenceLogits,
+        *,
+        parse_special: bool = False,
+    ) -> TokenScores:
+        """Teacher-force ``tokens`` after ``prompt``; the worker compares each row with
+        ``reference``'s and returns per-token KLD and top-1 (see ``Engine.score``)."""
+        command = self._score_command("score", prompt, tokens, parse_special)
+        command["ref"] = {
+            "path": str(reference.path),
+            "shape": [reference.n_tokens, reference.n_vocab],
+        }
+        event = await self._score(command, "scores")
+        kld = np.asarray(event["kld"], dtype=np.float64)  # [T]
+        top1 = np.asarray(event["top1"], dtype=np.bool_)  # [T]
+        if kld.shape != (len(tokens),) or top1.shape != (len(tokens),):
+            raise EngineError(f"branch {self.name}: scores for the wrong number of tokens")
+        return TokenScores(kld, top1)
+
+    def _score_command(
+        self, op: str, prompt: str, tokens: list[int], parse_special: bool
+    ) -> dict[str, Any]:
+        return {
+            "op": op,
+            "id": f"{op}.{next(self._ids)}",
             "prompt": prompt,
             "special": parse_special,
             "tokens": tokens,
         }
-        async with contextlib.aclosing(self._exchange(command, last="rows")) as events:
+
+    async def _score(self, command: dict[str, Any], last: str) -> dict[str, Any]:
+        events = self._exchange(command, last, timeout_s=self._options.score_timeout_s)
+        async with contextlib.aclosing(events):
             async for item in events:
-                if item["ev"] == "rows":
-                    data = base64.b64decode(item["data"])
-                    return np.frombuffer(data, dtype=np.float32).reshape(item["shape"])
-        raise EngineError(f"branch {self.name}: scoring ended without rows")
+                if item["ev"] == last:
+                    return item
+        raise EngineError(f"branch {self.name}: scoring ended without an answer")
 
     # -- generation -----------------------------------------------------------
 
@@ -356,7 +526,10 @@ class LlamaCppEngine:
                 "ignore_eos": s.ignore_eos,
             },
         }
-        async with contextlib.aclosing(self._exchange(command, last="fin")) as events:
+        events = self._exchange(
+            command, last="fin", idle_timeout_s=self._options.gen_idle_timeout_s
+        )
+        async with contextlib.aclosing(events):
             async for item in events:
                 kind = item["ev"]
                 if kind == "tok":
@@ -376,4 +549,8 @@ def _worker_error(branch: str, event: dict[str, Any]) -> Exception:
         return ContextLengthExceededError(
             prompt_tokens=event["pt"], max_tokens=event["max_tokens"], n_ctx=event["n_ctx"]
         )
-    return EngineError(f"branch {branch}: {event.get('msg', 'generation failed')}")
+    code = event.get("code")
+    return EngineError(
+        f"branch {branch}: {event.get('msg', 'generation failed')}",
+        code=code if isinstance(code, str) and code != "engine_error" else None,
+    )

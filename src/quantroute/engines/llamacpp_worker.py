@@ -8,7 +8,10 @@ prints can corrupt the protocol).
 Commands::
 
     {"op": "gen", "id": "r1", "prompt": "...", "special": false, "s": {sampling}}
-    {"op": "score", "id": "r2", "prompt": "...", "special": false, "tokens": [101, 7]}
+    {"op": "logits", "id": "r2", "prompt": "...", "special": false, "tokens": [101, 7],
+     "path": "/dev/shm/quantroute-logits.<pid>.<hex>.f32"}
+    {"op": "score", "id": "r3", "prompt": "...", "special": false, "tokens": [101, 7],
+     "ref": {"path": "/dev/shm/quantroute-logits.<pid>.<hex>.f32", "shape": [2, 354]}}
     {"op": "cancel", "id": "r1"}
     {"op": "shutdown"}
 
@@ -18,8 +21,24 @@ Events::
     {"ev": "start", "id": "r1", "pt": 12}
     {"ev": "tok", "id": "r1", "t": "def", "tok": 101, "lp": -0.3, "top": [[id, text, lp]]}
     {"ev": "fin", "id": "r1", "reason": "stop", "pt": 12, "ct": 40, "t": ""}
-    {"ev": "rows", "id": "r2", "shape": [2, 354], "data": "<base64 float32 log-softmax rows>"}
+    {"ev": "logits", "id": "r2", "path": "...", "shape": [2, 354]}
+    {"ev": "scores", "id": "r3", "kld": [0.0012, 0.0], "top1": [true, true]}
     {"ev": "err", "id": "r1", "code": "context_length_exceeded", "msg": "...", ...}
+
+``logits`` teacher-forces ``prompt + tokens`` and writes the raw float32
+logits that predicted each of ``tokens`` (``[T, V]``, row-major, no header) to
+a new file at ``path`` (created exclusively; removed again if the job fails or
+is cancelled). ``score`` teacher-forces the same and compares each row with
+the reference's, read from its file a row at a time: per-token
+``KL(ref ‖ this)`` and top-1 agreement (``quantroute.quality.metrics``, in
+float64), so only ``T``-long arrays go back. Vocabulary-sized rows never
+cross the pipe, and at most ``max(16, 2**22 // V)`` rows are scored per
+decode step, so a replay neither holds a ``[T, V]`` array nor stalls the
+other sequences for long.
+
+No event line is longer than ``--max-event-bytes`` (1 MiB): one that would be
+is replaced by an ``err`` (``code`` ``event_too_large``) for its id, and that
+request is dropped; everyone else's go on.
 
 Scheduling is continuous batching: every step puts the next token of every
 decoding sequence and a slice of any waiting prompt into one ``llama_decode``.
@@ -27,13 +46,14 @@ decoding sequence and a slice of any waiting prompt into one ``llama_decode``.
 ``--fault`` is a test hook, off by default: ``sigill-at-first-decode`` dies of
 SIGILL right before the first ``llama_decode`` of a generation (as a build
 using instructions the CPU lacks does); ``exit-at-load`` exits with status 3
-before loading the model.
+before loading the model; ``oversize-line`` answers its first scoring command
+(``logits`` or ``score``) with one line longer than the gateway's 16 MiB
+limit first, as vocabulary-sized rows once did.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import codecs
 import ctypes
 import json
@@ -51,10 +71,17 @@ from typing import IO, Any
 import llama_cpp as lc
 import numpy as np
 
-from quantroute.engines.sampling import log_softmax, sample
+from quantroute.engines.sampling import sample
+from quantroute.engines.scoring import Comparison, LogitsDump, ScoringJob
 from quantroute.engines.stops import StopMatcher
 
 log = logging.getLogger("quantroute.worker")
+
+MAX_EVENT_BYTES = 1 << 20
+"""Default longest event line (``--max-event-bytes``); the gateway reads lines of up to
+16 MiB (``engines/supervisor.py``), so a refused event never reaches that limit."""
+OVERSIZE_LINE_BYTES = (1 << 24) + 1  # the ``oversize-line`` fault: past the gateway's limit
+_SCORE_BLOCK_ELEMENTS = 1 << 22  # scored logits per decode step, at most (16 MiB of float32)
 
 
 @dataclass(slots=True)
@@ -72,8 +99,8 @@ class Sequence:
     bias_ids: np.ndarray[Any, Any] | None = None
     bias_values: np.ndarray[Any, Any] | None = None
     ignore_eos: bool = False
-    first_scored: int = -1  # >= 0: a scoring job; log-softmax rows from this position on
-    rows: list[np.ndarray[Any, Any]] = field(default_factory=list)
+    first_scored: int = -1  # >= 0: a scoring job; its rows from this position on go to `job`
+    job: ScoringJob | None = None
     slot: int = -1
     fed: int = 0  # prompt tokens already in the KV cache
     n_past: int = 0
@@ -90,6 +117,8 @@ class Worker:
     def __init__(self, args: argparse.Namespace, out: IO[bytes]):
         self._out = out
         self._pending_out: list[bytes] = []
+        self._max_event_bytes = args.max_event_bytes
+        self._refused: set[str] = set()  # ids whose event was too long: dropped at step end
         self._fault = args.fault
         lc.llama_backend_init()
         if args.log_level != "debug":
@@ -120,6 +149,9 @@ class Worker:
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")
         self.mem = lc.llama_get_memory(self.ctx)
+        # Scored rows per step, at most: bounds llama.cpp's logits buffer and the time
+        # one step spends comparing rows while other sequences wait for their tokens.
+        self.score_rows_per_step = max(16, _SCORE_BLOCK_ELEMENTS // self.n_vocab)
         self.batch = lc.llama_batch_init(self.n_batch, 0, 1)
         self._piece_buf = ctypes.create_string_buffer(256)
         self.free_slots = list(range(self.parallel - 1, -1, -1))
@@ -131,7 +163,40 @@ class Worker:
     # -- protocol -------------------------------------------------------------
 
     def emit(self, event: dict[str, Any]) -> None:
-        self._pending_out.append(json.dumps(event, separators=(",", ":")).encode() + b"\n")
+        """Queue one event line; one over the line limit becomes an ``err`` for its id."""
+        rid = event.get("id")
+        if rid in self._refused:
+            return
+        line = json.dumps(event, separators=(",", ":")).encode() + b"\n"
+        if len(line) > self._max_event_bytes:
+            log.error(
+                "worker: a %r event of %d bytes is over the %d-byte line limit; its request fails",
+                event.get("ev"),
+                len(line),
+                self._max_event_bytes,
+            )
+            refusal = {
+                "ev": "err",
+                "id": rid or "",
+                "code": "event_too_large",
+                "msg": f"the worker's {event.get('ev')!r} event ({len(line)} bytes) is over its "
+                f"{self._max_event_bytes}-byte line limit",
+            }
+            line = json.dumps(refusal, separators=(",", ":")).encode() + b"\n"
+            if rid:
+                self._refused.add(rid)
+        self._pending_out.append(line)
+
+    def drop_refused(self) -> None:
+        """Forget the requests whose event was refused (their ``err`` went out instead)."""
+        for rid in self._refused:
+            seq = self.active.get(rid)
+            if seq is not None:
+                self.release(seq)
+            for waiting in [w for w in self.waiting if w.rid == rid]:
+                self.waiting.remove(waiting)
+                self.close_job(waiting)
+        self._refused.clear()
 
     def flush(self) -> None:
         if self._pending_out:
@@ -184,11 +249,20 @@ class Worker:
     # -- commands -------------------------------------------------------------
 
     def handle(self, cmd: dict[str, Any] | None) -> None:
-        if cmd is None or cmd.get("op") == "shutdown":
+        if cmd is None or (isinstance(cmd, dict) and cmd.get("op") == "shutdown"):
             self.running = False
-        elif cmd["op"] in ("gen", "score"):
+            return
+        if not isinstance(cmd, dict):
+            log.error("worker: a command that is not an object dropped")
+            return
+        op = cmd.get("op")
+        if op in ("logits", "score") and self._fault == "oversize-line":
+            self._fault = ""  # once: the gateway kills this worker over it
+            self._out.write(b'{"ev":"pad","data":"' + b"A" * OVERSIZE_LINE_BYTES + b'"}\n')
+            self._out.flush()
+        if op in ("gen", "logits", "score"):
             try:
-                (self.admit if cmd["op"] == "gen" else self.admit_score)(cmd)
+                (self.admit if op == "gen" else self.admit_score)(cmd)
             except (KeyError, TypeError, ValueError) as exc:  # a malformed command fails alone
                 self.emit(
                     {
@@ -198,8 +272,8 @@ class Worker:
                         "msg": f"bad command: {type(exc).__name__}",
                     }
                 )
-        elif cmd["op"] == "cancel":
-            self.cancel(cmd["id"])
+        elif op == "cancel":
+            self.cancel(str(cmd.get("id", "")))
 
     def admit(self, cmd: dict[str, Any]) -> None:
         rid, s = cmd["id"], cmd["s"]
@@ -244,11 +318,14 @@ class Worker:
         self.waiting.append(seq)
 
     def admit_score(self, cmd: dict[str, Any]) -> None:
-        """Teacher-force ``prompt + tokens``; answer the log-softmax row that predicted
-        each of ``tokens`` (the drift monitor compares them across branches)."""
+        """Teacher-force ``prompt + tokens``; write the logits rows that predicted each of
+        ``tokens`` to a file (``logits``), or compare them with a reference's file
+        (``score``). The drift monitor does one, then the other."""
         rid = cmd["id"]
         prompt = self.tokenize(cmd["prompt"], bool(cmd.get("special")))
         tokens = [int(t) for t in cmd["tokens"]]
+        if any(not 0 <= t < self.n_vocab for t in tokens):
+            raise ValueError("a token id is outside the vocabulary")
         if not tokens or len(prompt) + len(tokens) > self.n_ctx:
             self.emit(
                 {
@@ -274,19 +351,32 @@ class Worker:
             stops=StopMatcher(()),
             first_scored=len(prompt) - 1,
         )
+        try:
+            if cmd["op"] == "logits":
+                seq.job = LogitsDump(str(cmd["path"]), len(tokens), self.n_vocab)
+            else:
+                ref = cmd["ref"]
+                shape = (int(ref["shape"][0]), int(ref["shape"][1]))
+                seq.job = Comparison(str(ref["path"]), shape, len(tokens), self.n_vocab)
+        except (OSError, ValueError) as exc:
+            self.emit({"ev": "err", "id": rid, "code": "engine_error", "msg": _words(exc)})
+            return
         self.emit({"ev": "start", "id": rid, "pt": len(prompt)})
         self.waiting.append(seq)
 
     def finish_score(self, seq: Sequence) -> None:
-        rows = np.stack(seq.rows).astype(np.float32)  # [T, V]
-        self.emit(
-            {
-                "ev": "rows",
-                "id": seq.rid,
-                "shape": list(rows.shape),
-                "data": base64.b64encode(rows.tobytes()).decode(),
-            }
-        )
+        assert seq.job is not None
+        try:
+            event = seq.job.result()
+        except (OSError, ValueError) as exc:
+            self.fail(seq, _words(exc))
+            return
+        self.emit({**event, "id": seq.rid})
+        self.release(seq)
+
+    def fail(self, seq: Sequence, words: str) -> None:
+        """This sequence failed alone: say why, and forget it."""
+        self.emit({"ev": "err", "id": seq.rid, "code": "engine_error", "msg": words})
         self.release(seq)
 
     def release(self, seq: Sequence) -> None:
@@ -294,6 +384,12 @@ class Worker:
         del self.active[seq.rid]
         lc.llama_memory_seq_rm(self.mem, seq.slot, -1, -1)
         self.free_slots.append(seq.slot)
+        self.close_job(seq)
+
+    def close_job(self, seq: Sequence) -> None:
+        if seq.job is not None:
+            seq.job.close()
+            seq.job = None
 
     def cancel(self, rid: str) -> None:
         seq = self.active.get(rid)
@@ -303,6 +399,7 @@ class Worker:
         for waiting in self.waiting:
             if waiting.rid == rid:
                 self.waiting.remove(waiting)
+                self.close_job(waiting)
                 self.emit(
                     {
                         "ev": "fin",
@@ -347,7 +444,10 @@ class Worker:
                 self.active[seq.rid] = seq
             if self.running and self.active:
                 self.step()
+            self.drop_refused()
             self.flush()
+        for seq in [*self.active.values(), *self.waiting]:  # shutting down: leave no files
+            self.close_job(seq)
 
     def step(self) -> None:
         batch, n = self.batch, 0
@@ -360,9 +460,16 @@ class Worker:
                 seq.n_past += 1
                 seq.next_token = None
                 n += 1
+        budget = self.score_rows_per_step
         for seq in self.active.values():  # then prompt slices, as room allows
             if seq.prefilling and n < self.n_batch:
                 take = min(len(seq.prompt) - seq.fed, self.n_batch - n)
+                if seq.first_scored >= 0:  # a scoring job: its scored rows share a budget
+                    first = max(seq.fed, seq.first_scored)
+                    take = min(take, first + budget - seq.fed)
+                    if take <= 0:
+                        continue
+                    budget -= max(0, seq.fed + take - first)
                 for j in range(take):
                     pos = seq.fed + j
                     last = pos == len(seq.prompt) - 1
@@ -395,11 +502,18 @@ class Worker:
             return
         for index, seq in outputs:
             self._advance(seq, index)
+        failed: set[str] = set()
         for index, seq in scoring:
+            if seq.rid in failed or seq.job is None:
+                continue
             ptr = lc.llama_get_logits_ith(self.ctx, index)
-            seq.rows.append(log_softmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
+            try:
+                seq.job.add(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)))  # [V]
+            except (OSError, ValueError) as exc:  # a full disk, a NaN row: this job fails
+                failed.add(seq.rid)
+                self.fail(seq, _words(exc))
         for seq in {id(s): s for _, s in scoring}.values():
-            if not seq.prefilling:
+            if seq.rid not in failed and seq.rid in self.active and not seq.prefilling:
                 self.finish_score(seq)
 
     def _put(self, i: int, token: int, pos: int, slot: int, logits: bool) -> None:
@@ -455,6 +569,10 @@ def _ERRORS_ONLY_LOG(level: int, text: bytes, user_data: ctypes.c_void_p) -> Non
 _GGML_LOG_LEVEL_ERROR = 3
 
 
+def _words(exc: BaseException) -> str:
+    return f"scoring failed: {exc}" if str(exc) else f"scoring failed: {type(exc).__name__}"
+
+
 def _die_of(sig: signal.Signals) -> None:
     """The ``--fault`` hook: exit as a real fault would (status ``-sig``), without a core."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -472,9 +590,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--cpus", default="", help="comma-separated cores to pin to")
     parser.add_argument(
+        "--max-event-bytes",
+        type=int,
+        default=MAX_EVENT_BYTES,
+        help="longest event line; a longer one is an error for its request",
+    )
+    parser.add_argument(
         "--fault",
         default="",
-        choices=("", "sigill-at-first-decode", "exit-at-load"),
+        choices=("", "sigill-at-first-decode", "exit-at-load", "oversize-line"),
         help="test hook: fail on purpose (see the module docstring)",
     )
     return parser.parse_args(argv)

@@ -3,16 +3,44 @@
 Pure numpy, called by the llama.cpp worker once per sequence per step.
 Log-probabilities reported to clients are the model's own distribution
 (temperature 1, no truncation), as vLLM reports them.
+
+The sampler is total: for any parameters the request schema admits
+(``temperature`` in [0, 2], subnormals included; ``top_p`` in (0, 1];
+``top_k`` >= 0) and any non-empty row of logits (``-inf`` entries, a row that
+is all ``-inf``, ``+inf``, ``nan``, values near the float32 limit), it returns
+a token id in ``[0, V)`` and finite log-probabilities, never raising. What a
+degenerate row means:
+
+- ``nan`` counts as ``-inf`` (the token is impossible);
+- if any logit is ``+inf``, those tokens share all the mass;
+- if every logit is ``-inf``, every token is equally likely.
+
+Arithmetic is in float64 with the maximum subtracted *before* dividing by the
+temperature, so the best token's scaled logit is exactly 0 and the
+normalising sum is at least 1, whatever the temperature: a tiny temperature
+turns every other logit into ``-inf`` (probability 0) rather than overflowing.
+Temperatures below :data:`GREEDY_BELOW` are greedy outright.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-FloatArray = npt.NDArray[np.float32]
+__all__ = ["GREEDY_BELOW", "LOGPROB_FLOOR", "Choice", "log_softmax", "sample"]
+
+FloatArray = npt.NDArray[np.floating[Any]]
+F64 = npt.NDArray[np.float64]
+
+#: Temperatures below this are greedy: the distribution is a point mass at the
+#: argmax to within float64 rounding anyway.
+GREEDY_BELOW = 1e-5
+#: The log-probability reported for an impossible token (OpenAI reports
+#: ``-9999.0``); JSON has no ``-Infinity``.
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,12 +50,34 @@ class Choice:
     top: tuple[tuple[int, float], ...]
 
 
-def log_softmax(logits: FloatArray) -> npt.NDArray[np.float64]:
-    """Stable log-softmax over a [V] row; ``-inf`` logits stay ``-inf``."""
-    row = logits.astype(np.float64)
-    peak = np.max(row)
-    shifted = row - peak
-    result: npt.NDArray[np.float64] = shifted - np.log(np.sum(np.exp(shifted)))
+def _clean(logits: FloatArray) -> F64:
+    """The row in float64 with the degenerate cases of the module docstring resolved:
+    no ``nan``, no ``+inf``, and at least one finite entry. # [V]"""
+    row = np.asarray(logits, dtype=np.float64).reshape(-1)
+    if row.size == 0:
+        raise ValueError("a row of logits must hold at least one token")
+    row = np.where(np.isnan(row), -np.inf, row)
+    top = np.isposinf(row)
+    if top.any():
+        return np.where(top, 0.0, -np.inf)
+    if np.isneginf(row).all():
+        return np.zeros_like(row)
+    return row
+
+
+def log_softmax(logits: FloatArray) -> F64:
+    """Stable log-softmax over a [V] row; ``-inf`` logits stay ``-inf``.
+
+    Degenerate rows are read as the module docstring says (``nan`` is ``-inf``; an
+    all ``-inf`` row is uniform), so the result never holds ``nan``.
+
+    >>> log_softmax(np.array([-np.inf, -np.inf])).tolist() == [np.log(0.5)] * 2
+    True
+    """
+    row = _clean(logits)
+    with np.errstate(over="ignore", under="ignore"):  # to -inf and to 0: both meant
+        shifted = row - np.max(row)  # the max is finite and becomes exactly 0
+        result: F64 = shifted - np.log(np.sum(np.exp(shifted)))
     return result
 
 
@@ -41,36 +91,48 @@ def sample(
     want_logprob: bool = False,
     n_top: int = 0,
 ) -> Choice:
-    if temperature <= 0.0:
-        token = int(np.argmax(logits))
+    """One token from ``logits``; with ``want_logprob`` / ``n_top``, its log-probability
+    and the ``n_top`` most likely tokens' (model distribution, floored at
+    :data:`LOGPROB_FLOOR`). ``top_k`` 0 is off; ``top_p`` 1 is off."""
+    row = _clean(logits)
+    if not temperature >= GREEDY_BELOW:  # nan too: greedy rather than a crash
+        token = int(np.argmax(row))
     else:
-        token = _sample_stochastic(logits, temperature, top_p, top_k, rng)
-    if not (want_logprob or n_top):
+        with np.errstate(over="ignore", under="ignore"):  # to -inf and to 0: both meant
+            token = _sample_stochastic(row, temperature, top_p, top_k, rng)
+    if not (want_logprob or n_top > 0):
         return Choice(token, None, ())
-    logprobs = log_softmax(logits)
+    logprobs = log_softmax(row)
     top: tuple[tuple[int, float], ...] = ()
-    if n_top:
-        idx = np.argpartition(-logprobs, min(n_top, logprobs.size - 1))[:n_top]
+    if n_top > 0:
+        k = min(n_top, logprobs.size)
+        idx = np.argpartition(-logprobs, k - 1)[:k]
         idx = idx[np.argsort(-logprobs[idx], kind="stable")]
-        top = tuple((int(i), float(logprobs[i])) for i in idx)
-    return Choice(token, float(logprobs[token]), top)
+        top = tuple((int(i), _reported(logprobs[i])) for i in idx)
+    return Choice(token, _reported(logprobs[token]), top)
+
+
+def _reported(logprob: np.floating[Any]) -> float:
+    return max(float(logprob), LOGPROB_FLOOR)
 
 
 def _sample_stochastic(
-    logits: FloatArray, temperature: float, top_p: float, top_k: int, rng: np.random.Generator
+    row: F64, temperature: float, top_p: float, top_k: int, rng: np.random.Generator
 ) -> int:
-    scaled = logits.astype(np.float64) / temperature
+    # Shift first: the best token's value is exactly 0 after the division, the rest
+    # are <= 0 or -inf; no temperature in (0, 2] can make an inf or a nan here.
+    scaled = (row - np.max(row)) / temperature  # [V]
     candidates = np.arange(scaled.size)
     if 0 < top_k < scaled.size:
         candidates = np.argpartition(-scaled, top_k - 1)[:top_k]
     values = scaled[candidates]
     order = np.argsort(-values, kind="stable")
     candidates, values = candidates[order], values[order]
-    probs = np.exp(values - values[0])
+    probs = np.exp(values)  # probs[0] == 1: the sum is in [1, V]
     probs /= probs.sum()
     if top_p < 1.0:
         # Keep the smallest prefix whose mass reaches top_p (at least one token).
-        keep = int(np.searchsorted(np.cumsum(probs), top_p) + 1)
+        keep = max(1, int(np.searchsorted(np.cumsum(probs), top_p) + 1))
         candidates, probs = candidates[:keep], probs[:keep]
         probs /= probs.sum()
     return int(candidates[rng.choice(probs.size, p=probs)])

@@ -57,12 +57,15 @@ class _Ended:
     code: int
     start_error: Exception | None = None
     killed: bool = False  # the start failed with the process running: we killed it
+    killed_because: str | None = None  # its owner killed it (:meth:`WorkerSupervisor.kill`)
 
     @property
     def failed(self) -> bool:
         return self.start_error is not None or self.code != 0
 
     def cause(self) -> str:
+        if self.killed_because is not None and self.code == -signal.SIGKILL:
+            return f"killed by the gateway: {self.killed_because}"
         if self.start_error is None:
             return describe_exit(self.code)
         if crashed(self.code) and not (self.killed and self.code == -signal.SIGKILL):
@@ -117,6 +120,7 @@ class WorkerSupervisor:
         self._failures = 0  # failed runs in a row, with no healthy run between
         self._causes: set[str] = set()  # the causes of those failures
         self.failure: str | None = None
+        self._kill_cause: str | None = None  # why the owner killed the current worker
         """Why the supervisor gave up, in words; ``None`` while it is not failed."""
         self.process: asyncio.subprocess.Process | None = None
         self.restarts = 0  # automatic restarts (operator restarts are not counted)
@@ -164,6 +168,14 @@ class WorkerSupervisor:
                     await proc.wait()
             await self._end_loop()
             self._running = False
+
+    def kill(self, cause: str) -> None:
+        """Kill the current worker because its owner gave up on it (it stopped answering,
+        its output could not be read); the run counts as a failure, in these words."""
+        proc = self.process
+        if proc is not None and proc.returncode is None:
+            self._kill_cause = cause
+            _kill(proc)
 
     def note_healthy(self) -> None:
         """The current worker did its job (the engine calls this when a generation
@@ -224,6 +236,7 @@ class WorkerSupervisor:
     async def _run_once(self) -> _Ended:
         self.process = None
         self._healthy = False
+        self._kill_cause = None
         try:
             self.process = proc = await asyncio.create_subprocess_exec(
                 *self.argv,
@@ -248,14 +261,14 @@ class WorkerSupervisor:
                 except TimeoutError:
                     killed = True
                     _kill(proc)
-            return _Ended(await proc.wait(), exc, killed=killed)
+            return _Ended(await proc.wait(), exc, killed=killed, killed_because=self._kill_cause)
         self._resolve_first(None)
         try:
             code = await asyncio.wait_for(proc.wait(), self._policy.stable_after_s)
         except TimeoutError:
             self.note_healthy()  # a stable run
             code = await proc.wait()
-        return _Ended(code)
+        return _Ended(code, killed_because=self._kill_cause)
 
     async def _start(self, proc: asyncio.subprocess.Process) -> None:
         """Await ``on_start``; a worker that dies meanwhile fails the start even where

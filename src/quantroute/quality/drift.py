@@ -2,10 +2,13 @@
 
 A small share of finished requests (``drift.fraction``, only while the
 reference branch has spare capacity) is replayed off the hot path: the tokens
-the branch served are teacher-forced through the branch *and* through its
-model's reference, and each token's KL divergence and top-1 agreement go into
-the branch's current window of ``drift.window_tokens`` tokens. A closed window
-is out of bounds when
+the branch served are teacher-forced through the model's reference, whose
+worker writes the logits to a file (:class:`LogitsFiles`: shared memory,
+deleted after use), and then through the branch, whose worker compares its
+rows with that file. Only each token's KL divergence and top-1 agreement come
+back to the gateway — no vocabulary-sized array ever crosses a pipe or the
+event loop — and go into the branch's current window of
+``drift.window_tokens`` tokens. A closed window is out of bounds when
 
     mean KLD > profiled mean KLD + δ      or      top-1 < profiled top-1 - Δ
 
@@ -20,23 +23,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
-from collections.abc import Callable, Mapping
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from quantroute.config import DriftSettings
-from quantroute.engines.base import EngineInfo
-from quantroute.quality.metrics import kl_divergence, top1_agreement
+from quantroute.engines.base import EngineInfo, ReferenceLogits, TokenScores
 
 log = logging.getLogger(__name__)
 
 
 class Scorer(Protocol):
-    """What the monitor needs of an engine: teacher-forced log-softmax rows."""
+    """What the monitor needs of an engine: the reference writes teacher-forced logits
+    to a file; a branch compares its own with them, where both distributions are."""
 
     @property
     def ready(self) -> bool: ...
@@ -47,9 +56,88 @@ class Scorer(Protocol):
     @property
     def info(self) -> EngineInfo | None: ...
 
+    async def write_logits(
+        self, prompt: str, tokens: list[int], path: Path, *, parse_special: bool = False
+    ) -> ReferenceLogits: ...
+
     async def score(
-        self, prompt: str, tokens: list[int], *, parse_special: bool = False
-    ) -> npt.NDArray[np.float32]: ...
+        self,
+        prompt: str,
+        tokens: list[int],
+        reference: ReferenceLogits,
+        *,
+        parse_special: bool = False,
+    ) -> TokenScores: ...
+
+
+class LogitsFiles:
+    """Names the files a reference's logits go to, and cleans up after gateways that died.
+
+    A file is ``quantroute-logits.<gateway pid>.<random hex>.f32``, in ``/dev/shm``
+    when it has room (shared memory: written and read without touching a disk),
+    else in the temporary directory. The monitor deletes each after its replay;
+    :meth:`sweep` deletes those of gateways no longer running and any older than
+    ``stale_after_s`` (one a cancelled replay's worker finished writing anyway).
+    """
+
+    PREFIX = "quantroute-logits."
+
+    def __init__(
+        self,
+        dirs: Sequence[Path] | None = None,
+        *,
+        stale_after_s: float = 3600.0,
+        pid: int | None = None,
+    ):
+        if dirs is None:
+            dirs = [Path("/dev/shm"), Path(tempfile.gettempdir())]
+        self.dirs = [d for d in dirs if d.is_dir() and os.access(d, os.W_OK | os.X_OK)]
+        if not self.dirs:
+            raise ValueError(f"no writable directory for logits among {[str(d) for d in dirs]}")
+        self.stale_after_s = stale_after_s
+        self._pid = os.getpid() if pid is None else pid
+
+    def new(self, nbytes: int) -> Path:
+        """A fresh path (no file yet: the worker creates it) where ``nbytes`` should fit."""
+        directory = self.dirs[-1]
+        for d in self.dirs:
+            with contextlib.suppress(OSError):
+                if shutil.disk_usage(d).free >= 2 * nbytes:
+                    directory = d
+                    break
+        return directory / f"{self.PREFIX}{self._pid}.{uuid.uuid4().hex}.f32"
+
+    def sweep(self) -> int:
+        """Delete files of gateways that are gone, and stale ones; return how many."""
+        now = time.time()
+        removed = 0
+        for d in self.dirs:
+            try:
+                names = [n for n in os.listdir(d) if n.startswith(self.PREFIX)]
+            except OSError:
+                continue
+            for name in names:
+                path = d / name
+                try:
+                    owner = int(name[len(self.PREFIX) :].split(".", 1)[0])
+                    stale = now - path.lstat().st_mtime > self.stale_after_s
+                except (ValueError, OSError):
+                    continue
+                if stale or (owner != self._pid and not _alive(owner)):
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                        removed += 1
+        return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: not ours to judge
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +232,10 @@ class DriftMonitor:
         baselines: Mapping[str, Baseline],
         on_change: Callable[[str, DriftState], None] | None = None,
         rng: random.Random | None = None,
+        files: LogitsFiles | None = None,
     ):
         self.settings = settings
+        self._files = files
         self._reference = dict(reference)
         self._scorers = dict(scorers)
         self._baselines = dict(baselines)
@@ -190,6 +280,12 @@ class DriftMonitor:
 
     # -- off the hot path ------------------------------------------------------
 
+    @property
+    def files(self) -> LogitsFiles:
+        if self._files is None:  # made on first use: a monitor with nothing to watch never
+            self._files = LogitsFiles()  # looks at the file system
+        return self._files
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="drift-monitor")
 
@@ -200,6 +296,10 @@ class DriftMonitor:
                 await self._task
 
     async def _run(self) -> None:
+        if self._reference:
+            removed = await asyncio.to_thread(self.files.sweep)
+            if removed:
+                log.warning("drift: removed %d logits files left by a gateway that died", removed)
         while True:
             replay = await self._queue.get()
             try:
@@ -208,18 +308,28 @@ class DriftMonitor:
                 log.warning("drift: replay on %s failed: %s", replay.branch, exc)
 
     async def replay(self, replay: Replay) -> None:
+        """Teacher-force one request through the reference (logits to a file), then the
+        branch (compared in its worker); add the per-token results to its window. The
+        file is deleted whatever happens; a failure raises and adds nothing."""
         ref_scorer = self._scorers[self._reference[replay.branch]]
         scorer = self._scorers[replay.branch]
         tokens = list(replay.tokens)
-        ref_rows, rows = await asyncio.gather(
-            ref_scorer.score(replay.prompt, tokens, parse_special=replay.parse_special),
-            scorer.score(replay.prompt, tokens, parse_special=replay.parse_special),
-        )
-        kld = kl_divergence(ref_rows, rows)  # [T]
-        same = top1_agreement(ref_rows, rows)  # [T]
+        n_vocab = ref_scorer.info.n_vocab if ref_scorer.info is not None else 0
+        path = self.files.new(len(tokens) * n_vocab * 4)
+        try:
+            ref = await ref_scorer.write_logits(
+                replay.prompt, tokens, path, parse_special=replay.parse_special
+            )
+            scores = await scorer.score(
+                replay.prompt, tokens, ref, parse_special=replay.parse_special
+            )
+        finally:
+            # In a thread: freeing a large file's pages can take milliseconds. Shielded,
+            # so that a cancelled replay still waits for its file to go.
+            await asyncio.shield(asyncio.to_thread(path.unlink, missing_ok=True))
         state = self.state(replay.branch)
         self._states[replay.branch] = state = replace(state, replays=state.replays + 1)
-        for mean_kld, top1, n in self._windows[replay.branch].add(kld, same):
+        for mean_kld, top1, n in self._windows[replay.branch].add(scores.kld, scores.top1):
             self._close(replay.branch, mean_kld, top1, n)
 
     def _close(self, branch: str, mean_kld: float, top1: float, n: int) -> None:

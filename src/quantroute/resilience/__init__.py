@@ -1,8 +1,23 @@
-"""Resilience: circuit breakers per branch and the retry budget."""
+"""Resilience: circuit breakers per branch, the retry budget, tenants and admission."""
 
 from __future__ import annotations
 
+from quantroute.resilience.admission import Admission, Ticket
 from quantroute.resilience.breaker import BreakerPolicy, Breakers, BreakerState, CircuitBreaker
 from quantroute.resilience.budget import RetryBudget
+from quantroute.resilience.tenants import OPEN, Tenant, TenantLimits, Tenants, load_tenants
 
-__all__ = ["BreakerPolicy", "BreakerState", "Breakers", "CircuitBreaker", "RetryBudget"]
+__all__ = [
+    "OPEN",
+    "Admission",
+    "BreakerPolicy",
+    "BreakerState",
+    "Breakers",
+    "CircuitBreaker",
+    "RetryBudget",
+    "Tenant",
+    "TenantLimits",
+    "Tenants",
+    "Ticket",
+    "load_tenants",
+]

@@ -48,7 +48,7 @@ MAX_KLD_MAX = 10.0
 
 # A plain decimal (scientific notation allowed: KLD bounds are small); rejects
 # nan, inf, signs, underscores and hex, all of which float() would accept.
-_NUMBER = re.compile(r"^[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]{1,3})?$|^\.[0-9]+([eE][-+]?[0-9]{1,3})?$")
+_NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]{1,3})?|\.[0-9]+([eE][-+]?[0-9]{1,3})?")
 _BOUND_KEYS = ("max_kld", "min_top1")
 
 
@@ -159,10 +159,23 @@ def _body_quality(value: object, settings: RoutingSettings) -> _Quality:
         )
     bounds: dict[str, float] = {}
     for key, raw in value.items():
-        if isinstance(raw, bool) or not isinstance(raw, int | float):
+        number = _number(raw)
+        if number is None:
             raise InvalidRequestError(f"quality.{key} must be a number", param=f"quality.{key}")
-        bounds[key] = _bound(key, float(raw), f"quality.{key}")
+        bounds[key] = _bound(key, number, f"quality.{key}")
     return None, bounds.get("max_kld"), bounds.get("min_top1")
+
+
+def _number(value: object) -> float | None:
+    """A JSON number as a float: ``None`` for anything else (booleans included), ``nan``
+    for an integer too big for a float (``10**400``), so that its range check fails
+    rather than ``float()`` raising."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.nan
 
 
 def _header_quality(value: str, settings: RoutingSettings) -> _Quality:
@@ -171,7 +184,7 @@ def _header_quality(value: str, settings: RoutingSettings) -> _Quality:
     bounds: dict[str, float] = {}
     for part in value.split(","):
         key, sep, raw = (s.strip() for s in part.partition("="))
-        if not sep or key not in _BOUND_KEYS or key in bounds or not _NUMBER.match(raw):
+        if not sep or key not in _BOUND_KEYS or key in bounds or not _NUMBER.fullmatch(raw):
             raise InvalidRequestError(
                 f"{QUALITY_HEADER} must be a tier name or 'max_kld=NUMBER,min_top1=NUMBER' "
                 "(either or both, each once)",
@@ -188,7 +201,7 @@ def _deadline(header: str | None, timeout_s: object) -> float | None:
     deadlines: list[float] = []
     if header is not None:
         raw = header.strip()
-        ms = float(raw) if _NUMBER.match(raw) else math.nan
+        ms = float(raw) if _NUMBER.fullmatch(raw) else math.nan
         if not DEADLINE_MS_MIN <= ms <= DEADLINE_MS_MAX:  # nan fails too
             raise InvalidRequestError(
                 f"{DEADLINE_HEADER} must be a number of milliseconds from "
@@ -197,12 +210,9 @@ def _deadline(header: str | None, timeout_s: object) -> float | None:
             )
         deadlines.append(ms)
     if timeout_s is not None:
-        ms = (
-            float(timeout_s) * 1000.0
-            if isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
-            else math.nan
-        )
-        if not DEADLINE_MS_MIN <= ms <= DEADLINE_MS_MAX:
+        seconds = _number(timeout_s)
+        ms = math.nan if seconds is None else seconds * 1000.0
+        if not DEADLINE_MS_MIN <= ms <= DEADLINE_MS_MAX:  # nan and inf fail too
             raise InvalidRequestError(
                 f"timeout must be a number of seconds from {DEADLINE_MS_MIN / 1000:g} "
                 f"to {DEADLINE_MS_MAX / 1000:.0f}",

@@ -1,0 +1,163 @@
+"""Running a prepared job: the first branch of its decision that gets to its first token.
+
+:class:`Runner` is the service's engine-facing half. The commit point is each
+choice's first token: until then a failure of the branch moves the request to
+the decision's next branch, within the retry budget, and counts against the
+branch's circuit breaker; afterwards an error ends the stream. Every way out
+gives the job's admission ticket back and counts the tenant's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from quantroute.api.jobs import Job, Run, close_all
+from quantroute.engines.base import EngineEvent, FinishEvent, StartEvent, TokenEvent
+from quantroute.errors import (
+    ContextLengthExceededError,
+    DeviceOutOfMemoryError,
+    EngineError,
+    ServiceUnavailableError,
+)
+from quantroute.routing.table import Branch
+
+if TYPE_CHECKING:
+    from quantroute.api.gateway import Gateway
+
+log = logging.getLogger(__name__)
+
+
+class Runner:
+    def __init__(self, gateway: Gateway):
+        self._gateway = gateway
+        self._settings = gateway.settings
+
+    def abandon(self, job: Job, tokens: int = 0) -> None:
+        """The job is over: give back its admission ticket and count its tokens."""
+        if job.ticket is not None:
+            job.ticket.release()
+        self._gateway.limits.finished(job.tenant, tokens)
+
+    async def start(self, job: Job) -> Run:
+        """Open every choice on the first branch that takes them all.
+
+        The commit point is each choice's first token: until then any failure of the
+        branch (an error, its worker's death, an out-of-memory, no first token in
+        ``resilience.first_token_timeout_s`` or by the deadline) moves the request to
+        the decision's next branch, within the retry budget. A branch whose breaker
+        is open is passed over (that is not its failure). Afterwards an error ends the
+        stream (an error event, no ``[DONE]``)."""
+        gateway = self._gateway
+        budget = gateway.retry_budget
+        budget.start()
+        retries = 0
+        last: EngineError | None = None
+        tried = 0
+        try:
+            for branch in job.branches:
+                if not gateway.breakers.acquire(branch.id):
+                    continue  # open: its own rejection, never counted as a failure
+                if tried and not budget.try_retry():
+                    gateway.breakers.release(branch.id)
+                    log.warning("job %s: retry budget spent; not trying %s", job.id, branch.id)
+                    break
+                retries += 1 if tried else 0
+                tried += 1
+                try:
+                    run = await self._open(job, branch, retries)
+                except ContextLengthExceededError as exc:
+                    gateway.breakers.release(branch.id)  # the request's fault, not the branch's
+                    exc.param = "messages" if job.kind == "chat" else "prompt"
+                    raise
+                except EngineError as exc:
+                    gateway.breakers.failure(branch.id)
+                    last = exc
+                    log.warning(
+                        "job %s: branch %s failed before its first token: %s",
+                        job.id,
+                        branch.id,
+                        exc.message,
+                    )
+                    continue
+                except BaseException:
+                    gateway.breakers.release(branch.id)
+                    raise
+                return run
+        except BaseException:
+            budget.finish(retries)
+            self.abandon(job)
+            raise
+        budget.finish(retries)
+        self.abandon(job)
+        if last is not None and len(job.branches) == 1:
+            raise last
+        raise ServiceUnavailableError(
+            f"every branch of {job.decision.model} failed or is shedding load; retry later",
+            retry_after_s=self._settings.routing.retry_after_s,
+        )
+
+    async def _open(self, job: Job, branch: Branch, retries: int) -> Run:
+        """Every choice of ``job`` on ``branch``, up to its first token; raises an
+        ``EngineError`` (after closing what it opened) if the branch fails before."""
+        if not self._gateway.occupancy.admit(branch.id):
+            raise DeviceOutOfMemoryError(f"the device of branch {branch.id} is out of memory")
+        timeout_s = self._settings.resilience.first_token_timeout_s
+        by_deadline = job.deadline is not None and job.deadline - time.monotonic() < timeout_s
+        if job.deadline is not None:
+            timeout_s = min(timeout_s, max(0.0, job.deadline - time.monotonic()))
+        streams: list[AsyncIterator[EngineEvent]] = []
+        pending: list[list[EngineEvent]] = []
+        prompt_tokens: list[int] = []
+        try:
+            async with asyncio.timeout(timeout_s):
+                for request in job.requests:
+                    stream = aiter(branch.engine.generate(request))
+                    streams.append(stream)
+                    first = await anext(stream)
+                    if not isinstance(first, StartEvent):
+                        raise EngineError(f"branch {branch.id} skipped its start event")
+                    prompt_tokens.append(first.prompt_tokens)
+                    events: list[EngineEvent] = [first]
+                    while not isinstance(events[-1], TokenEvent | FinishEvent):
+                        events.append(await anext(stream))
+                    pending.append(events)
+        except TimeoutError as exc:
+            await close_all(streams)
+            if by_deadline:  # the client's deadline, not the branch's failure: no fallback
+                raise ServiceUnavailableError(
+                    "the request's deadline passed before its first token",
+                    retry_after_s=self._settings.routing.retry_after_s,
+                ) from exc
+            raise EngineError(
+                f"branch {branch.id} sent no first token in {timeout_s:.3g} s"
+            ) from exc
+        except StopAsyncIteration as exc:
+            await close_all(streams)
+            raise EngineError(f"branch {branch.id} ended a stream without finishing") from exc
+        except BaseException:
+            await close_all(streams)
+            raise
+
+        def done(run: Run, ok: bool | None) -> None:
+            self._gateway.retry_budget.finish(retries)
+            self.abandon(job, run.usage_tokens)
+            if ok is True:
+                self._gateway.breakers.success(branch.id)
+            elif ok is False:
+                self._gateway.breakers.failure(branch.id)
+            else:
+                self._gateway.breakers.release(branch.id)
+
+        return Run(
+            job,
+            branch,
+            streams,
+            prompt_tokens,
+            self._gateway.finished,
+            pending=pending,
+            on_done=done,
+        )
