@@ -189,6 +189,7 @@ def build_job(
         stop=req.stops,
         logit_bias=req.bias,
         ignore_eos=req.ignore_eos,
+        deadline=deadline,
     )
     kind: Kind
     if isinstance(req, ChatCompletionRequest):

@@ -37,6 +37,7 @@ class FinishReason(StrEnum):
     STOP = "stop"  # EOS or a stop sequence
     LENGTH = "length"  # max_tokens or the context window
     CANCELLED = "cancelled"  # the client went away
+    DEADLINE = "deadline"  # the request's deadline passed mid-generation (what came is kept)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,9 @@ class SamplingParams:
     top_logprobs: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks)
+    # The request's deadline, in time.monotonic() seconds (CLOCK_MONOTONIC: one clock for
+    # every process on the machine); the engine stops generating when it passes.
+    deadline: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

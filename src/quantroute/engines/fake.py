@@ -6,6 +6,7 @@ around generation (routing, fallbacks, fault injection), like httpx's
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -151,6 +152,9 @@ class FakeEngine:
                     raise EngineCrashedError("fake engine crashed (injected)")
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
+                if s.deadline is not None and time.monotonic() >= s.deadline:
+                    yield FinishEvent(FinishReason.DEADLINE, prompt_tokens, i, stops.flush())
+                    return
                 char = self.text[i % len(self.text)]
                 yield TokenEvent(stops.feed(char), ord(char), -0.5 if s.logprobs else None, char)
                 if stops.stopped:

@@ -524,6 +524,7 @@ class LlamaCppEngine:
                 "top_logprobs": s.top_logprobs,
                 "logit_bias": [list(pair) for pair in s.logit_bias],
                 "ignore_eos": s.ignore_eos,
+                "deadline": s.deadline,
             },
         }
         events = self._exchange(

@@ -64,6 +64,7 @@ import resource
 import signal
 import sys
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -99,6 +100,7 @@ class Sequence:
     bias_ids: np.ndarray[Any, Any] | None = None
     bias_values: np.ndarray[Any, Any] | None = None
     ignore_eos: bool = False
+    deadline: float | None = None  # time.monotonic(); past it the sequence finishes "deadline"
     first_scored: int = -1  # >= 0: a scoring job; its rows from this position on go to `job`
     job: ScoringJob | None = None
     slot: int = -1
@@ -305,6 +307,7 @@ class Worker:
             rng=np.random.default_rng(s.get("seed")),
             stops=StopMatcher(tuple(s["stop"])),
             ignore_eos=bool(s.get("ignore_eos")),
+            deadline=None if s.get("deadline") is None else float(s["deadline"]),
         )
         bias = [
             (int(t), float(b)) for t, b in s.get("logit_bias", ()) if 0 <= int(t) < self.n_vocab
@@ -556,6 +559,8 @@ class Worker:
             self.finish(seq, "stop")
         elif seq.generated >= seq.max_tokens or seq.n_past + 1 >= self.n_ctx:
             self.finish(seq, "length")
+        elif seq.deadline is not None and time.monotonic() >= seq.deadline:
+            self.finish(seq, "deadline")  # the client stops waiting: so do we
         else:
             seq.next_token = token
 
