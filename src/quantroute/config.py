@@ -134,7 +134,9 @@ class EngineSettings(BaseModel):
         le=1 << 23,
         description="Longest event line a worker may send; a longer one fails its request only.",
     )
-    faults: dict[str, Literal["sigill-at-first-decode", "exit-at-load", "oversize-line"]] = Field(
+    faults: dict[
+        str, Literal["sigill-at-first-decode", "exit-at-load", "oversize-line", "oom-at-decode"]
+    ] = Field(
         default_factory=dict,
         description="Fault injection for tests: branch name (or model:branch, or '*') -> how "
         "its worker fails, e.g. {'q8_0': 'sigill-at-first-decode'}.",

@@ -58,3 +58,34 @@ async def test_a_stream_past_its_deadline_ends_cleanly() -> None:
         events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert '"finish_reason":"deadline"' in events[-2]
+
+
+@pytest.mark.slow
+async def test_an_out_of_memory_in_the_worker_falls_back_before_the_first_token(
+    tmp_path: Path,
+) -> None:
+    """The reference's worker fails its decodes as llama.cpp does when memory runs out;
+    requests move to the next branch, and the worker lives on."""
+    settings = load_settings(
+        repo=demo_repo_copy(tmp_path),
+        engine={"parallel": 2, "n_threads": 1, "n_ctx": 512, "faults": {"f16": "oom-at-decode"}},
+        routing={"residency": False},
+        drift={"fraction": 0.0},
+        resilience={"breaker_failures": 100},
+    )
+    async with serving(create_app(settings)) as (client, gateway):
+        f16 = gateway.routes.current.models["tiny-llama"].branch("f16")
+        assert f16 is not None and f16.engine.ready
+        pid = f16.engine.pid
+        for _ in range(3):
+            r = await client.post(
+                "/v1/completions",
+                json={"model": "tiny-llama", "prompt": "def ", "max_tokens": 4, "quality": "fast"},
+            )
+            assert r.status_code == 200 and r.headers["x-quantroute-branch"] != "tiny-llama:f16"
+        pinned = await client.post(
+            "/v1/completions", json={"model": "tiny-llama:f16", "prompt": "def ", "max_tokens": 4}
+        )
+        assert pinned.status_code == 503
+        assert pinned.json()["error"]["code"] == "device_out_of_memory"
+        assert f16.engine.ready and f16.engine.pid == pid  # the worker lives on

@@ -54,6 +54,7 @@ from quantroute.engines.exits import describe_exit
 from quantroute.engines.supervisor import RestartPolicy, WorkerSupervisor
 from quantroute.errors import (
     ContextLengthExceededError,
+    DeviceOutOfMemoryError,
     EngineCrashedError,
     EngineError,
     EngineUnavailableError,
@@ -551,6 +552,8 @@ def _worker_error(branch: str, event: dict[str, Any]) -> Exception:
             prompt_tokens=event["pt"], max_tokens=event["max_tokens"], n_ctx=event["n_ctx"]
         )
     code = event.get("code")
+    if code == "device_out_of_memory":
+        return DeviceOutOfMemoryError(f"branch {branch}: {event.get('msg', 'out of memory')}")
     return EngineError(
         f"branch {branch}: {event.get('msg', 'generation failed')}",
         code=code if isinstance(code, str) and code != "engine_error" else None,

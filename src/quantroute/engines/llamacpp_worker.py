@@ -46,7 +46,9 @@ decoding sequence and a slice of any waiting prompt into one ``llama_decode``.
 ``--fault`` is a test hook, off by default: ``sigill-at-first-decode`` dies of
 SIGILL right before the first ``llama_decode`` of a generation (as a build
 using instructions the CPU lacks does); ``exit-at-load`` exits with status 3
-before loading the model; ``oversize-line`` answers its first scoring command
+before loading the model; ``oom-at-decode`` fails every decode of a request (not the warm-up's) as
+llama.cpp does when memory runs out, returning 1; ``oversize-line`` answers
+its first scoring command
 (``logits`` or ``score``) with one line longer than the gateway's 16 MiB
 limit first, as vocabulary-sized rows once did.
 """
@@ -490,15 +492,26 @@ class Worker:
             s.first_scored < 0 for s in self.active.values()
         ):
             _die_of(signal.SIGILL)
-        rc = lc.llama_decode(self.ctx, batch)
+        if self._fault == "oom-at-decode" and any(
+            not s.rid.startswith("warmup") and s.first_scored < 0 for s in self.active.values()
+        ):
+            rc = 1  # what llama_decode answers when the KV cache has no room for the batch
+        else:
+            rc = lc.llama_decode(self.ctx, batch)
         if rc != 0:
+            # 1: no KV slot for the batch; -2: a compute buffer could not be allocated.
+            oom = rc in (1, -2)
             for seq in list(self.active.values()):
                 self.emit(
                     {
                         "ev": "err",
                         "id": seq.rid,
-                        "code": "engine_error",
-                        "msg": f"llama_decode returned {rc}",
+                        "code": "device_out_of_memory" if oom else "engine_error",
+                        "msg": (
+                            "out of memory in llama_decode (no room for the batch)"
+                            if oom
+                            else f"llama_decode returned {rc}"
+                        ),
                     }
                 )
                 self.release(seq)
@@ -603,7 +616,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--fault",
         default="",
-        choices=("", "sigill-at-first-decode", "exit-at-load", "oversize-line"),
+        choices=("", "sigill-at-first-decode", "exit-at-load", "oversize-line", "oom-at-decode"),
         help="test hook: fail on purpose (see the module docstring)",
     )
     return parser.parse_args(argv)
