@@ -74,3 +74,13 @@ async def set_headroom(client: httpx.AsyncClient, gateway: Gateway, headroom: in
     r = await client.put("/admin/devices/sim:0/pressure", json={"bytes": pressure}, headers=ADMIN)
     assert r.status_code == 200
     await gateway.poller.poll_once()
+
+
+def realistic_repo() -> Path:
+    """The model repository holding the realistic demo model, ``stdlib-bpe-llama``
+    (32,000-token BPE vocabulary, 8 layers, grouped-query attention, ChatML, 20.8 M
+    params), from the demo build cache. The first call builds it (about 10 minutes on
+    2 cores); later calls reuse it, and so do later sessions."""
+    from quantroute.demo import BPE_MODEL_NAME, ensure_demo_repo
+
+    return ensure_demo_repo(BPE_MODEL_NAME, progress=False)

@@ -89,14 +89,52 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_build(args: argparse.Namespace) -> int:
-    from quantroute.demo import build_demo
+    """Build a demo model; print the model repository that holds it (for ``serve --repo``)."""
+    from dataclasses import replace
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    manifest = build_demo(
-        args.out, steps=args.steps, seed=args.seed, progress=True, max_seconds=args.seconds
+    from quantroute.demo import (
+        BPE_MODEL_NAME,
+        MODEL_NAME,
+        BpeBuildConfig,
+        build_bpe_demo,
+        build_demo,
+        ensure_demo_repo,
     )
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.model == MODEL_NAME:
+        out = args.out or DEMO_REPO / MODEL_NAME
+        manifest = build_demo(
+            out, steps=args.steps, seed=args.seed, progress=True, max_seconds=args.seconds
+        )
+        repo = out.parent
+    else:
+        base = BpeBuildConfig()
+        train = base.train
+        if args.steps is not None:
+            train = replace(train, steps=args.steps)
+        if args.seconds is not None:
+            train = replace(train, max_seconds=args.seconds)
+        config = replace(base, train=train)
+        if args.out is not None:  # a folder of the caller's choosing: no cache
+            manifest = build_bpe_demo(args.out, config=config, seed=args.seed, progress=True)
+            repo = args.out.parent
+        else:
+            repo = ensure_demo_repo(
+                BPE_MODEL_NAME,
+                config=config,
+                seed=args.seed,
+                progress=True,
+                rebuild=args.rebuild,
+                cache_root=args.cache,
+            )
+            from quantroute.registry.manifest import load_manifest
+
+            manifest = load_manifest(repo / BPE_MODEL_NAME)
     for name, spec in manifest.branches.items():
         log.info("%-8s %-24s sha256 %s", name, spec.file, spec.sha256[:16])
+    log.info("serve it with: quantroute serve --repo %s", repo)
+    print(repo)
     return 0
 
 
@@ -261,17 +299,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="the packaged demo model",
-        description="Build the demo model (needs the 'train' extra).",
+        help="the demo models",
+        description="Build a demo model (needs the 'train' extra).",
     )
     demo_sub = demo.add_subparsers(dest="demo_command", required=True)
     build = demo_sub.add_parser(
         "build",
-        help="train the demo model and write its GGUF branches",
-        description="Train tiny-llama on the standard library's sources, "
-        "write f16/q8_0/q4_k_m GGUF files and their manifest.",
+        help="train a demo model and write its GGUF branches",
+        description="Train a demo model on the standard library's sources and write "
+        "f16/q8_0/q4_k_m GGUF files and their manifest. tiny-llama (the default) is "
+        "written into the package; stdlib-bpe-llama (32k BPE vocabulary, 8 layers, GQA, "
+        "ChatML; about 80 MB) into a cache keyed by its inputs, reused when present, and "
+        "profiled. Prints the model repository to pass to `quantroute serve --repo`.",
     )
-    build.add_argument("--out", type=Path, default=DEMO_REPO / "tiny-llama", help="output folder")
+    build.add_argument(
+        "--model",
+        default="tiny-llama",
+        choices=["tiny-llama", "stdlib-bpe-llama"],
+        help="which demo model (default: tiny-llama)",
+    )
+    build.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="model folder to write (default: the package's for tiny-llama, the cache for "
+        "stdlib-bpe-llama)",
+    )
     build.add_argument("--steps", type=int, default=None, help="training steps (default: built-in)")
     build.add_argument("--seed", type=int, default=0, help="random seed")
     build.add_argument(
@@ -279,6 +332,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="stop training after this long (the result is then not reproducible)",
+    )
+    build.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="cache root for stdlib-bpe-llama (default: ~/.cache/quantroute/demo)",
+    )
+    build.add_argument(
+        "--rebuild", action="store_true", help="build stdlib-bpe-llama even if it is cached"
     )
     build.set_defaults(func=cmd_demo_build)
     return parser

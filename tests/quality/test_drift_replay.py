@@ -127,6 +127,26 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Model:
 
 
 @pytest.fixture(scope="module")
+def realistic(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """The realistic demo model (32k BPE vocabulary, 8 layers, GQA), from the build cache."""
+    from qrtest import realistic_repo
+
+    directory = realistic_repo() / "stdlib-bpe-llama"
+    artifacts = verify_artifacts(directory, load_manifest(directory))
+    profiles, _ = load_profiles(directory, artifacts)
+    damaged = tmp_path_factory.mktemp("realistic") / "f16-noisy.gguf"
+    perturb_gguf_weights(directory / "f16.gguf", damaged, scale=0.3, seed=7)
+    q8, q4 = profiles["q8_0"], profiles["q4_k_m"]
+    assert q8 is not None and q4 is not None
+    return Model(
+        directory / "f16.gguf",
+        directory / "q8_0.gguf",
+        damaged,
+        {"healthy": Baseline(q8.mean_kld, q8.top1), "damaged": Baseline(q4.mean_kld, q4.top1)},
+    )
+
+
+@pytest.fixture(scope="module")
 def big(tmp_path_factory: pytest.TempPathFactory) -> Model:
     directory = tmp_path_factory.mktemp("big-vocab")
     reference = write_big_vocab_gguf(directory / "f16.gguf")
@@ -187,7 +207,7 @@ async def _engine(name: str, path: Path) -> LlamaCppEngine:
     )
 
 
-@pytest.fixture(params=["demo", "big"])
+@pytest.fixture(params=["demo", "realistic", "big"])
 async def served(
     request: pytest.FixtureRequest,
 ) -> AsyncIterator[tuple[Model, dict[str, LlamaCppEngine]]]:

@@ -148,3 +148,16 @@ def test_estimate_within_25_percent_on_demo_branches(path: Path) -> None:
     assert abs(error) < 0.25
     _, _, error = check(path, 512, parallel=2)
     assert abs(error) < 0.25
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("branch", ["f16", "q8_0", "q4_k_m"])
+def test_estimate_within_25_percent_on_the_realistic_model(branch: str) -> None:
+    """32k BPE vocabulary, 8 layers, GQA: the shape the tiny model hides (the output
+    layer's logits buffer and the vocabulary's share of the overhead are real sizes)."""
+    from qrtest import realistic_repo
+
+    path = realistic_repo() / "stdlib-bpe-llama" / f"{branch}.gguf"
+    for parallel in (1, 4):
+        _, _, error = check(path, 512, parallel=parallel)
+        assert abs(error) < 0.25, (branch, parallel, error)

@@ -17,12 +17,17 @@ import platform
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
+
 from quantroute.demo.data import DEFAULT_MAX_BYTES, load_corpus
-from quantroute.demo.gguf_export import quantize_gguf, write_llama_gguf
+from quantroute.demo.gguf_export import GgufVocab, MetadataValue, quantize_gguf, write_llama_gguf
 from quantroute.demo.model import ModelConfig, TrainConfig
+from quantroute.demo.vocab import VOCAB
 from quantroute.registry.manifest import BranchSpec, Manifest, sha256_file, write_manifest
 from quantroute.types import Precision
 
@@ -126,47 +131,85 @@ def build_demo(
         "quantroute.demo.val_loss": result.val_loss,
     }
 
+    manifest = write_branches(
+        out_dir,
+        weights,
+        cfg.model,
+        name=MODEL_NAME,
+        description=description,
+        extra=extra,
+        branches=cfg.branches,
+        threads=train_cfg.threads,
+        keep_f32=cfg.keep_f32,
+        progress=progress,
+    )
+    logger.info("built %s in %.0f s", out_dir, time.monotonic() - started)
+    return manifest
+
+
+def write_branches(
+    out_dir: Path,
+    weights: Mapping[str, npt.NDArray[np.float32]],
+    model: ModelConfig,
+    *,
+    name: str,
+    description: str,
+    extra: Mapping[str, MetadataValue],
+    branches: tuple[tuple[str, Precision], ...],
+    vocab: GgufVocab = VOCAB,
+    threads: int = 2,
+    keep_f32: bool = False,
+    progress: bool = True,
+) -> Manifest:
+    """Write trained weights as an F32 GGUF, quantize it to every branch, write the manifest.
+
+    The F32 file lives in a scratch folder inside ``out_dir`` (deleted unless
+    ``keep_f32``); branches land by rename, the manifest last. The first of
+    ``branches`` is the reference. Returns the manifest written.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".build-", dir=out_dir))
     try:
         f32 = scratch / "f32.gguf"
         write_llama_gguf(
-            f32, weights, cfg.model, name=MODEL_NAME, description=description, extra=extra
+            f32, weights, model, vocab=vocab, name=name, description=description, extra=extra
         )
-        branches = _quantize_all(f32, scratch, cfg, threads=train_cfg.threads, progress=progress)
+        made = _quantize_all(f32, scratch, branches, threads=threads, progress=progress)
         specs: dict[str, BranchSpec] = {}
-        for name, precision in cfg.branches:
-            filename = f"{name}.gguf"
-            os.replace(branches[name], out_dir / filename)
-            specs[name] = BranchSpec(
+        for branch, precision in branches:
+            filename = f"{branch}.gguf"
+            os.replace(made[branch], out_dir / filename)
+            specs[branch] = BranchSpec(
                 file=filename, precision=precision, sha256=sha256_file(out_dir / filename)
             )
-        if cfg.keep_f32:
+        if keep_f32:
             os.replace(f32, out_dir / "f32.gguf")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
     manifest = Manifest(
-        model=MODEL_NAME,
-        reference=cfg.branches[0][0],
-        description=description,
-        branches=specs,
+        model=name, reference=branches[0][0], description=description, branches=specs
     )
     write_manifest(out_dir, manifest)
     sizes = ", ".join(
         f"{n} {(out_dir / s.file).stat().st_size / 1e6:.2f} MB" for n, s in specs.items()
     )
-    logger.info("built %s in %.0f s: %s", out_dir, time.monotonic() - started, sizes)
+    logger.info("wrote %s: %s", out_dir, sizes)
     return manifest
 
 
 def _quantize_all(
-    f32: Path, scratch: Path, cfg: BuildConfig, *, threads: int, progress: bool
+    f32: Path,
+    scratch: Path,
+    branches: tuple[tuple[str, Precision], ...],
+    *,
+    threads: int,
+    progress: bool,
 ) -> dict[str, Path]:
     from tqdm import tqdm
 
     out: dict[str, Path] = {}
-    for name, precision in tqdm(cfg.branches, desc="quantizing", unit="file", disable=not progress):
+    for name, precision in tqdm(branches, desc="quantizing", unit="file", disable=not progress):
         dst = scratch / f"{name}.gguf"
         if precision is Precision.F32:
             shutil.copyfile(f32, dst)

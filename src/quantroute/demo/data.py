@@ -80,25 +80,28 @@ def list_sources(root: Path, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) ->
     return [root / rel for rel in sorted(found, key=lambda p: p.as_posix())]
 
 
-def load_corpus(
-    *,
-    seed: int = 0,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-    root: Path | None = None,
-    vocab: ByteVocab = VOCAB,
-) -> Corpus:
-    """Read, select and tokenize the standard library sources.
+@dataclass(frozen=True, slots=True)
+class Source:
+    """One selected source file: its path relative to the corpus root, and its text."""
+
+    path: str
+    text: str
+
+
+def select_sources(
+    *, seed: int = 0, max_bytes: int = DEFAULT_MAX_BYTES, root: Path | None = None
+) -> list[Source]:
+    """The standard library sources a corpus is made of, in selection order.
 
     Files are taken in a seeded shuffle of the sorted list until ``max_bytes``
-    of text is gathered; files that are not UTF-8 are skipped. Raises
-    ``FileNotFoundError`` when no source is found (a Python without its
-    standard library sources).
+    of text is gathered; files that are not UTF-8 are skipped; CRLF becomes LF
+    and tabs 4 spaces. Raises ``FileNotFoundError`` when no source is found (a
+    Python without its standard library sources).
     """
     base = root or stdlib_root()
     paths = list_sources(base)
     random.Random(seed).shuffle(paths)
-    chosen: list[str] = []
-    pieces: list[npt.NDArray[np.int32]] = []
+    chosen: list[Source] = []
     total = 0
     for path in paths:
         if total >= max_bytes:
@@ -110,13 +113,30 @@ def load_corpus(
         text = text.replace("\r\n", "\n").replace("\t", "    ")
         if not text.strip():
             continue
-        pieces.append(vocab.encode_array(text, add_bos=True, add_eos=True))
-        chosen.append(path.relative_to(base).as_posix())
+        chosen.append(Source(path.relative_to(base).as_posix(), text))
         total += len(text.encode("utf-8"))
-    if not pieces:
+    if not chosen:
         raise FileNotFoundError(f"no Python sources found under {base}")
+    return chosen
+
+
+def load_corpus(
+    *,
+    seed: int = 0,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    root: Path | None = None,
+    vocab: ByteVocab = VOCAB,
+) -> Corpus:
+    """Read, select (:func:`select_sources`) and tokenize the standard library sources.
+
+    Raises ``FileNotFoundError`` when no source is found.
+    """
+    base = root or stdlib_root()
+    sources = select_sources(seed=seed, max_bytes=max_bytes, root=base)
+    pieces = [vocab.encode_array(s.text, add_bos=True, add_eos=True) for s in sources]
+    total = sum(len(s.text.encode("utf-8")) for s in sources)
     tokens = np.concatenate(pieces)
     logger.info(
-        "corpus: %d files, %.1f MB, %d tokens from %s", len(chosen), total / 1e6, len(tokens), base
+        "corpus: %d files, %.1f MB, %d tokens from %s", len(sources), total / 1e6, len(tokens), base
     )
-    return Corpus(root=base, files=tuple(chosen), tokens=tokens, n_bytes=total)
+    return Corpus(root=base, files=tuple(s.path for s in sources), tokens=tokens, n_bytes=total)

@@ -21,19 +21,37 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from quantroute.demo.model import ModelConfig
-from quantroute.demo.vocab import BOS_ID, EOS_ID, UNK_ID, VOCAB, ByteVocab
+from quantroute.demo.vocab import VOCAB
 from quantroute.types import Precision
 
 logger = logging.getLogger(__name__)
 
 ARCH = "llama"
 MetadataValue = str | int | float | bool
+
+
+class GgufVocab(Protocol):
+    """A vocabulary that can describe itself to llama.cpp.
+
+    ``size`` is the number of tokens (the model's ``n_vocab``);
+    ``add_to_gguf(writer)`` adds every ``tokenizer.*`` key (and the vocab
+    size) to a ``gguf.GGUFWriter``. :class:`~quantroute.demo.vocab.ByteVocab`
+    (SPM, ``llama``) and :class:`~quantroute.demo.bpe.BpeVocab` (BPE,
+    ``gpt2``) implement it.
+    """
+
+    @property
+    def size(self) -> int: ...
+
+    def add_to_gguf(self, writer: Any) -> None: ...
+
+
 _FILE_MODE = 0o644  # model files are data anyone may read; mkstemp would leave 0600
 
 # llama.cpp's llama_ftype values for the precisions its quantizer makes.
@@ -52,7 +70,7 @@ def write_llama_gguf(
     weights: Mapping[str, npt.NDArray[np.float32]],
     config: ModelConfig,
     *,
-    vocab: ByteVocab = VOCAB,
+    vocab: GgufVocab = VOCAB,
     name: str = "tiny-llama",
     description: str = "",
     extra: Mapping[str, MetadataValue] | None = None,
@@ -84,21 +102,11 @@ def write_llama_gguf(
         writer.add_block_count(config.n_layer)
         writer.add_feed_forward_length(config.n_ff)
         writer.add_head_count(config.n_head)
-        writer.add_head_count_kv(config.n_head)
+        writer.add_head_count_kv(config.kv_heads)
         writer.add_rope_dimension_count(config.head_dim)
         writer.add_rope_freq_base(config.rope_base)
         writer.add_layer_norm_rms_eps(config.norm_eps)
-        writer.add_vocab_size(vocab.size)
-        writer.add_tokenizer_model("llama")
-        writer.add_token_list(list(vocab.tokens))
-        writer.add_token_scores(list(vocab.scores))
-        writer.add_token_types(list(vocab.token_types))
-        writer.add_bos_token_id(BOS_ID)
-        writer.add_eos_token_id(EOS_ID)
-        writer.add_unk_token_id(UNK_ID)
-        writer.add_add_bos_token(True)
-        writer.add_add_eos_token(False)
-        writer.add_add_space_prefix(False)
+        vocab.add_to_gguf(writer)
         for key, value in (extra or {}).items():
             _add_scalar(writer, key, value)
         for tensor_name, array in weights.items():
@@ -292,11 +300,14 @@ def read_llama_gguf(path: Path) -> tuple[ModelConfig, dict[str, npt.NDArray[np.f
     if arch != ARCH:
         raise ValueError(f"{path}: architecture {arch!r}, expected {ARCH!r}")
     tokens = reader.get_field(gguf.Keys.Tokenizer.LIST)
+    n_head = int(meta["llama.attention.head_count"])
+    n_head_kv = int(meta.get("llama.attention.head_count_kv", n_head))
     config = ModelConfig(
         vocab_size=len(tokens.contents()) if tokens is not None else VOCAB.size,
         n_embd=int(meta["llama.embedding_length"]),
         n_layer=int(meta["llama.block_count"]),
-        n_head=int(meta["llama.attention.head_count"]),
+        n_head=n_head,
+        n_head_kv=None if n_head_kv == n_head else n_head_kv,
         n_ff=int(meta["llama.feed_forward_length"]),
         context_length=int(meta["llama.context_length"]),
         rope_base=float(meta.get("llama.rope.freq_base", 10000.0)),

@@ -41,6 +41,9 @@ class ModelConfig:
     n_layer: int = 2
     n_head: int = 4
     n_ff: int = 768
+    # Key/value heads; ``None`` means one per query head. Fewer is grouped-query
+    # attention: query head ``h`` reads kv head ``h // (n_head // kv_heads)``, as llama.cpp.
+    n_head_kv: int | None = None
     context_length: int = 512
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
@@ -50,9 +53,21 @@ class ModelConfig:
         """Width of one attention head."""
         return self.n_embd // self.n_head
 
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads (``n_head`` unless grouped-query attention)."""
+        return self.n_head if self.n_head_kv is None else self.n_head_kv
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and value) projection: ``kv_heads * head_dim``."""
+        return self.kv_heads * self.head_dim
+
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head or self.head_dim % 2:
             raise ValueError("n_embd must split into n_head heads of even width")
+        if self.kv_heads < 1 or self.n_head % self.kv_heads:
+            raise ValueError("n_head must be a multiple of n_head_kv")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,14 +107,14 @@ class TrainResult:
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's GGUF name and torch shape, in the order they are written."""
-    d, f, v = config.n_embd, config.n_ff, config.vocab_size
+    d, f, v, kv = config.n_embd, config.n_ff, config.vocab_size, config.kv_dim
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (v, d)}
     for i in range(config.n_layer):
         b = f"blk.{i}."
         shapes[b + "attn_norm.weight"] = (d,)
         shapes[b + "attn_q.weight"] = (d, d)
-        shapes[b + "attn_k.weight"] = (d, d)
-        shapes[b + "attn_v.weight"] = (d, d)
+        shapes[b + "attn_k.weight"] = (kv, d)
+        shapes[b + "attn_v.weight"] = (kv, d)
         shapes[b + "attn_output.weight"] = (d, d)
         shapes[b + "ffn_norm.weight"] = (d,)
         shapes[b + "ffn_gate.weight"] = (f, d)
@@ -168,15 +183,19 @@ def forward(
     b, t = tokens.shape
     cos, sin = rope if rope is not None else rope_tables(config, t)
     cos, sin = cos[:t], sin[:t]
-    h, hd, eps = config.n_head, config.head_dim, config.norm_eps
+    h, hkv, hd, eps = config.n_head, config.kv_heads, config.head_dim, config.norm_eps
     x = F.embedding(tokens, params["token_embd.weight"])  # [B, T, D]
     for i in range(config.n_layer):
         p = f"blk.{i}."
         a = _rms_norm(x, params[p + "attn_norm.weight"], eps)
         q = (a @ params[p + "attn_q.weight"].T).view(b, t, h, hd).transpose(1, 2)  # [B, H, T, hd]
-        k = (a @ params[p + "attn_k.weight"].T).view(b, t, h, hd).transpose(1, 2)
-        v = (a @ params[p + "attn_v.weight"].T).view(b, t, h, hd).transpose(1, 2)
+        # k, v: [B, Hkv, T, hd]
+        k = (a @ params[p + "attn_k.weight"].T).view(b, t, hkv, hd).transpose(1, 2)
+        v = (a @ params[p + "attn_v.weight"].T).view(b, t, hkv, hd).transpose(1, 2)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if hkv != h:  # kv head j serves query heads j*g .. j*g+g-1, as ggml broadcasts
+            k = k.repeat_interleave(h // hkv, dim=1)  # [B, H, T, hd]
+            v = v.repeat_interleave(h // hkv, dim=1)
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, hd]
         x = x + att.transpose(1, 2).reshape(b, t, -1) @ params[p + "attn_output.weight"].T
         m = _rms_norm(x, params[p + "ffn_norm.weight"], eps)
@@ -197,12 +216,16 @@ def use_bf16(mode: Literal["auto", "bf16", "off"]) -> bool:
 
 
 def _batch(
-    stream: npt.NDArray[np.int32], rng: np.random.Generator, batch_size: int, seq_len: int
+    stream: npt.NDArray[np.int32],
+    rng: np.random.Generator,
+    batch_size: int,
+    seq_len: int,
+    bos_id: int = BOS_ID,
 ) -> npt.NDArray[np.int64]:
     """``batch_size`` windows of ``seq_len + 1`` tokens, each starting with BOS."""
     starts = rng.integers(0, len(stream) - seq_len - 1, size=batch_size)
     windows = np.stack([stream[s : s + seq_len + 1] for s in starts]).astype(np.int64)
-    windows[:, 0] = BOS_ID  # inference prompts always start with BOS at position 0
+    windows[:, 0] = bos_id  # inference prompts always start with BOS at position 0
     return windows
 
 
@@ -221,6 +244,7 @@ def train(
     cfg: TrainConfig,
     *,
     progress: bool = True,
+    bos_id: int = BOS_ID,
 ) -> TrainResult:
     """Train ``params`` in place on random BOS-led windows of ``stream``.
 
@@ -229,7 +253,8 @@ def train(
     earlier at ``cfg.max_seconds`` (logged as a warning, since the result then
     depends on the machine's speed). The last ``val_fraction`` of the stream is
     held out for the validation loss. torch's thread count is set to
-    ``cfg.threads`` while training and restored afterwards.
+    ``cfg.threads`` while training and restored afterwards. ``bos_id`` is the
+    vocabulary's BOS token, put at position 0 of every window.
     """
     import torch
     import torch.nn.functional as F
@@ -268,7 +293,7 @@ def train(
                 break
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, cfg)
-            batch = torch.from_numpy(_batch(train_stream, rng, cfg.batch_size, cfg.seq_len))
+            batch = torch.from_numpy(_batch(train_stream, rng, cfg.batch_size, cfg.seq_len, bos_id))
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 logits = forward(params, config, batch[:, :-1], rope)  # [B, T, V]
             loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
@@ -282,7 +307,7 @@ def train(
             if step % 10 == 0:
                 bar.set_postfix(loss=f"{loss_ema:.3f}")
         seconds = time.monotonic() - started
-        val = evaluate(params, config, val_stream, cfg)
+        val = evaluate(params, config, val_stream, cfg, bos_id=bos_id)
     finally:
         bar.close()
         torch.set_num_threads(threads_before)
@@ -314,7 +339,12 @@ def train(
 
 
 def evaluate(
-    params: Params, config: ModelConfig, stream: npt.NDArray[np.int32], cfg: TrainConfig
+    params: Params,
+    config: ModelConfig,
+    stream: npt.NDArray[np.int32],
+    cfg: TrainConfig,
+    *,
+    bos_id: int = BOS_ID,
 ) -> float:
     """Mean cross-entropy (nats/token) on fixed-seed windows of ``stream``."""
     import torch
@@ -326,7 +356,7 @@ def evaluate(
     losses = []
     with torch.no_grad():
         for _ in range(cfg.val_batches):
-            batch = torch.from_numpy(_batch(stream, rng, cfg.batch_size, seq_len))
+            batch = torch.from_numpy(_batch(stream, rng, cfg.batch_size, seq_len, bos_id))
             logits = forward(params, config, batch[:, :-1], rope)
             losses.append(float(F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())))
     return float(np.mean(losses))

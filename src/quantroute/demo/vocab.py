@@ -22,6 +22,7 @@ llama.cpp's token ids exactly, and fast (a table lookup over UTF-8 bytes).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -125,6 +126,20 @@ class ByteVocab:
         """Text of ``ids``; control tokens vanish, invalid UTF-8 becomes U+FFFD."""
         out = b"".join(self.id_to_bytes[int(i)] for i in ids)
         return out.decode("utf-8", errors="replace")
+
+    def add_to_gguf(self, writer: Any) -> None:
+        """Write the ``tokenizer.*`` metadata llama.cpp's SPM tokenizer loads."""
+        writer.add_vocab_size(self.size)
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(list(self.tokens))
+        writer.add_token_scores(list(self.scores))
+        writer.add_token_types(list(self.token_types))
+        writer.add_bos_token_id(BOS_ID)
+        writer.add_eos_token_id(EOS_ID)
+        writer.add_unk_token_id(UNK_ID)
+        writer.add_add_bos_token(True)
+        writer.add_add_eos_token(False)
+        writer.add_add_space_prefix(False)
 
 
 VOCAB = ByteVocab.standard()
