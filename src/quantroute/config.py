@@ -295,6 +295,12 @@ class ResilienceSettings(BaseModel):
     retry_min: int = Field(
         3, ge=0, description="Retries always allowed in flight, whatever the ratio says."
     )
+    reader_stall_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A streaming client that reads nothing for this long is cut off (its "
+        "sequence is paused in the worker meanwhile, and then freed).",
+    )
     first_token_timeout_s: float = Field(
         120.0,
         gt=0,
@@ -330,6 +336,40 @@ class DriftSettings(BaseModel):
     queue: int = Field(8, ge=1, description="Replays waiting at most; more are dropped.")
     max_tokens: int = Field(
         256, ge=1, description="Longest generated text replayed (its first tokens)."
+    )
+
+
+class StreamSettings(BaseModel):
+    """Resumable streams (``GET /v1/streams/{id}``): what is kept of each stream, and how long
+    a dropped one keeps generating."""
+
+    retention_s: float = Field(
+        300.0,
+        ge=0,
+        description="How long a finished stream's events are kept for a reconnecting client.",
+    )
+    max_streams: int = Field(
+        1024,
+        ge=1,
+        description="Streams kept at most; over it the oldest finished ones go first (live "
+        "ones are never dropped: admission bounds them).",
+    )
+    max_events_per_stream: int = Field(
+        4096,
+        ge=16,
+        description="Events kept per stream, the latest; a resume from before them is a 404.",
+    )
+    resume_grace_s: float = Field(
+        10.0,
+        ge=0,
+        le=3600,
+        description="How long a resumable stream keeps generating after its last client left; "
+        "if nobody reconnects in time it is cancelled (0: at once).",
+    )
+    resumable_by_default: bool = Field(
+        False,
+        description="Every stream is resumable; otherwise only those sent with "
+        "'x-quantroute-resumable: true' (the others stop generating when their client leaves).",
     )
 
 
@@ -575,6 +615,7 @@ class Settings(BaseSettings):
     auth: AuthSettings = Field(default_factory=AuthSettings)  # type: ignore[arg-type]
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)  # type: ignore[arg-type]
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    streams: StreamSettings = Field(default_factory=StreamSettings)  # type: ignore[arg-type]
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:

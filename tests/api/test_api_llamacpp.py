@@ -104,9 +104,9 @@ async def test_stream_equals_whole_and_n_choices_differ_by_seed(client: httpx.As
     whole = (await client.post("/v1/completions", json=body)).json()
     r = await client.post("/v1/completions", json=body | {"stream": True})
     texts = ["", ""]
-    for block in r.text.split("\n\n"):
-        if block.startswith("data: {"):
-            for c in json.loads(block[6:])["choices"]:
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
                 texts[c["index"]] += c["text"]
     assert texts == [c["text"] for c in whole["choices"]]
     assert texts[0] != texts[1]  # seed + i per choice

@@ -33,9 +33,9 @@ async def _client(engines: dict[str, Any], **settings: Any) -> AsyncIterator[htt
 
 def _events(body: str) -> list[Any]:
     out: list[Any] = []
-    for block in body.split("\n\n"):
-        if block.startswith("data: "):
-            data = block[len("data: ") :]
+    for line in body.splitlines():  # events carry id: (and the first retry:) lines too
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
 

@@ -1,8 +1,9 @@
 """The FastAPI application factory and its lifespan.
 
 The lifespan owns the :class:`Gateway` (every worker, the device poller and
-background tasks): it starts it before the first request and stops it, in
-reverse order, after the last.
+background tasks) and the stream store (resumable streams): it starts the
+gateway before the first request and, after the last, stops the streams'
+producers, then the gateway.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from quantroute.api.errors import install_error_handlers
 from quantroute.api.gateway import Gateway
 from quantroute.api.routes import router
 from quantroute.config import Settings
+from quantroute.resilience.resume import StreamStore
 from quantroute.routing.table import RouteTable
 from quantroute.telemetry import DeviceProvider
 
@@ -28,6 +30,7 @@ def create_app(
     ``provider`` the configured device provider; both are started and stopped by the
     lifespan all the same."""
     gateway = Gateway(settings, table, provider)
+    streams = StreamStore(settings.streams)  # streamed responses, kept for resuming
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -35,6 +38,7 @@ def create_app(
         try:
             yield
         finally:
+            await streams.close()  # their producers hold runs on the gateway's engines
             await gateway.stop()
 
     app = FastAPI(title="quantroute", version="0.1.0", lifespan=lifespan)
@@ -42,6 +46,7 @@ def create_app(
     app.state.gateway = gateway  # for tests and the lifespan; routes use the service only
     app.state.service = gateway.service
     app.state.tenants = gateway.tenants
+    app.state.streams = streams
     app.include_router(router)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.server.max_body_bytes)

@@ -20,13 +20,22 @@ from quantroute.engines.base import (
     TokenEvent,
 )
 from quantroute.engines.chat_template import ChatPrompt
-from quantroute.errors import EngineError
+from quantroute.errors import EngineError, QuantrouteError
 from quantroute.resilience.admission import Ticket
 from quantroute.resilience.tenants import OPEN, Tenant
 from quantroute.routing.policy import Decision
 from quantroute.routing.table import Branch
 
 Kind = Literal["chat", "completion"]
+RUN_BUFFER_EVENTS = 64  # a run's events waiting for its reader, per choice
+
+
+class ReaderStalledError(QuantrouteError):
+    """The client stopped reading its stream for longer than the limit."""
+
+    code = "reader_stalled"
+
+
 _SEED_MASK = 2**64 - 1
 
 
@@ -71,6 +80,7 @@ class Run:
         *,
         pending: list[list[EngineEvent]] | None = None,
         on_done: Callable[[Run, bool | None], None] | None = None,
+        stall_timeout_s: float | None = None,
     ):
         self.job = job
         self.branch = branch
@@ -79,7 +89,14 @@ class Run:
         self._pending = pending or [[] for _ in streams]
         self._on_finished = on_finished
         self._on_done = on_done
+        # Bounded: at most RUN_BUFFER_EVENTS events per choice wait for the reader (the
+        # semaphore); then the pumps stop, their engine streams fill, and the engine pauses
+        # the sequences in the worker (high and low watermarks there). A choice's end or
+        # error always fits.
         self._queue: asyncio.Queue[tuple[int, EngineEvent] | BaseException | None] = asyncio.Queue()
+        self._room = asyncio.Semaphore(RUN_BUFFER_EVENTS * max(1, len(streams)))
+        self._stall_timeout_s = stall_timeout_s
+        self._closer: asyncio.Task[None] | None = None
         self._pumps: list[asyncio.Task[None]] = []
         self._finished = 0
         self.usage_tokens = 0  # prompt + completion tokens of the finished choices
@@ -110,6 +127,7 @@ class Run:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    self._room.release()
                     yield item
         finally:
             await self.close()
@@ -118,19 +136,28 @@ class Run:
         tokens: list[int] = []  # of choice 0, for the drift monitor
         try:
             for event in self._pending[index]:
-                self._emit(index, event, tokens)
+                await self._emit(index, event, tokens)
             async for event in stream:
-                self._emit(index, event, tokens)
+                await self._emit(index, event, tokens)
         except EngineError as exc:
             self._failed = True
             self._queue.put_nowait(exc)
+        except ReaderStalledError as exc:
+            self._abort(exc)
+            return
         except Exception as exc:
             self._queue.put_nowait(exc)
-        finally:
-            self._queue.put_nowait(None)
+        self._queue.put_nowait(None)
 
-    def _emit(self, index: int, event: EngineEvent, tokens: list[int]) -> None:
-        self._queue.put_nowait((index, event))
+    async def _emit(self, index: int, event: EngineEvent, tokens: list[int]) -> None:
+        try:
+            async with asyncio.timeout(self._stall_timeout_s):
+                await self._room.acquire()
+            self._queue.put_nowait((index, event))
+        except TimeoutError as exc:
+            raise ReaderStalledError(
+                f"the client read nothing for {self._stall_timeout_s:g} s; the stream was cut"
+            ) from exc
         if isinstance(event, FinishEvent):
             self._finished += 1
             self.usage_tokens += event.prompt_tokens + event.completion_tokens
@@ -138,6 +165,26 @@ class Run:
             tokens.append(event.token_id)
         elif index == 0 and isinstance(event, FinishEvent) and self._on_finished:
             self._on_finished(self, tokens)
+
+    def _abort(self, exc: BaseException) -> None:
+        """A reader stalled past its limit: drop what it did not read, end every choice
+        with the error, stop generating."""
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._queue.put_nowait(exc)
+        for task in self._pumps:
+            if task is not asyncio.current_task():
+                task.cancel()
+        for _ in self._pumps:
+            self._queue.put_nowait(None)
+        self._closer = asyncio.create_task(self._close_streams())  # free the slots now
+
+    async def _close_streams(self) -> None:
+        for stream in self._streams:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
 
     async def close(self) -> None:
         for task in self._pumps:

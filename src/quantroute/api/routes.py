@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -21,8 +21,10 @@ from quantroute.api.schemas import (
     parse_generation_body,
 )
 from quantroute.api.service import Service
-from quantroute.api.sse import sse_events
+from quantroute.api.sse import payloads, sse_stream
 from quantroute.engines.base import StartEvent
+from quantroute.errors import InvalidRequestError
+from quantroute.resilience.resume import Stream, StreamStore
 from quantroute.resilience.tenants import Tenant
 
 router = APIRouter()
@@ -49,12 +51,21 @@ async def _respond(
     job = await service.prepare(body, request.headers, tenant)
     run = await service.start(job)
     if job.stream:
-        keepalive_s = request.app.state.settings.server.keepalive_s
-        return StreamingResponse(
-            sse_events(run, keepalive_s),
-            media_type="text/event-stream",
-            headers=_headers(run) | {"cache-control": "no-cache", "x-accel-buffering": "no"},
+        settings = request.app.state.settings.streams
+        resumable = request.headers.get("x-quantroute-resumable")
+        if resumable is None:
+            keep_going = settings.resumable_by_default
+        else:
+            keep_going = resumable.strip().lower() in ("1", "true", "yes", "on")
+        stream = _streams(request).open(
+            job.id,
+            tenant.name,
+            payloads(run),
+            close=run.close,
+            grace_s=settings.resume_grace_s if keep_going else 0.0,
+            headers=_headers(run),
         )
+        return _sse(request, stream, None)
     renderer = ResponseRenderer(run)
     collect = asyncio.create_task(_collect(run, renderer))
     watch = asyncio.create_task(_client_gone(request))
@@ -67,6 +78,55 @@ async def _respond(
         with contextlib.suppress(asyncio.CancelledError):
             await collect
     return JSONResponse(renderer.whole(), headers=_headers(run))
+
+
+def _streams(request: Request) -> StreamStore:
+    """The gateway's stream store (``app.state.streams``; made here on first use when
+    the app did not make one)."""
+    state = request.app.state
+    store: StreamStore | None = getattr(state, "streams", None)
+    if store is None:
+        store = state.streams = StreamStore(state.settings.streams)
+    return store
+
+
+def _sse(request: Request, stream: Stream, after: int | None) -> StreamingResponse:
+    keepalive_s = request.app.state.settings.server.keepalive_s
+    return StreamingResponse(
+        sse_stream(stream, after, keepalive_s),
+        media_type="text/event-stream",
+        headers=stream.headers | {"cache-control": "no-cache", "x-accel-buffering": "no"},
+    )
+
+
+def _resume_after(
+    stream_id: str, last_event_id: str | None, starting_after: int | None
+) -> int | None:
+    """The seq a resume starts after: ``Last-Event-ID`` (``<id>/<seq>``, or a bare seq)
+    first, as an EventSource sends it on reconnecting, else ``starting_after``."""
+    if last_event_id is None:
+        return starting_after
+    key, _, seq = last_event_id.strip().rpartition("/")
+    if (key and key != stream_id) or not seq.isdigit() or len(seq) > 18:
+        raise InvalidRequestError(
+            "Last-Event-ID is not an event id of this stream", param="Last-Event-ID"
+        )
+    return int(seq)
+
+
+@router.get("/v1/streams/{stream_id}")
+async def resume_stream(
+    request: Request,
+    stream_id: str,
+    tenant: Client,
+    starting_after: Annotated[int | None, Query(ge=0, le=1 << 60)] = None,
+    last_event_id: Annotated[str | None, Header(max_length=256)] = None,
+) -> StreamingResponse:
+    """A stream again, from the event after ``Last-Event-ID`` (or ``starting_after``):
+    the events kept, then the live rest; 404 once it expired, or for another tenant."""
+    key = stream_id.removeprefix("chatcmpl-").removeprefix("cmpl-")  # a chunk's id works too
+    after = _resume_after(key, last_event_id, starting_after)
+    return _sse(request, _streams(request).get(key, tenant.name, after), after)
 
 
 async def _collect(run: Run, renderer: ResponseRenderer) -> None:

@@ -160,4 +160,5 @@ class Runner:
             self._gateway.finished,
             pending=pending,
             on_done=done,
+            stall_timeout_s=self._settings.resilience.reader_stall_timeout_s,
         )

@@ -66,6 +66,11 @@ log = logging.getLogger(__name__)
 _Item = dict[str, Any] | BaseException
 
 PIPE_LINE_LIMIT_BYTES = 1 << 24
+# A request's events waiting for its reader: at the high mark the worker pauses its
+# sequence (it keeps its slot, decodes nothing); at the low mark it resumes. A slow
+# reader so costs the gateway at most this many events, never an unbounded buffer.
+STREAM_HIGH_WATER = 64
+STREAM_LOW_WATER = 16
 """The longest line the gateway reads from a worker (``engines/supervisor.py`` opens the
 pipe with this ``limit``); a longer one kills the reader, and the worker is restarted."""
 
@@ -144,6 +149,7 @@ class LlamaCppEngine:
         self._ready = False
         self._accepting = False  # the worker takes commands (the warm-up's, then everyone's)
         self._streams: dict[str, asyncio.Queue[_Item]] = {}
+        self._paused: set[str] = set()  # requests the worker holds for their slow readers
         self._reader: asyncio.Task[None] | None = None
         self._ids = itertools.count()
         self._last_line_at = time.monotonic()  # when the worker last sent anything
@@ -332,9 +338,13 @@ class LlamaCppEngine:
             if not isinstance(event, dict):
                 log.error("%s: a line from the worker that is not an event dropped", self.name)
                 continue
-            stream = self._streams.get(str(event.get("id", "")))
+            rid = str(event.get("id", ""))
+            stream = self._streams.get(rid)
             if stream is not None:
                 stream.put_nowait(event)
+                if stream.qsize() >= STREAM_HIGH_WATER and rid not in self._paused:
+                    self._paused.add(rid)  # its reader is slow: stop decoding for it
+                    self._post({"op": "pause", "id": rid})
 
     def _abandon(self, proc: asyncio.subprocess.Process, cause: str) -> None:
         """Give up on this worker: fail every request on it, kill it (the supervisor
@@ -401,6 +411,7 @@ class LlamaCppEngine:
         proc = self._writable()
         stream: asyncio.Queue[_Item] = asyncio.Queue()
         self._streams[rid] = stream
+        self._paused.discard(rid)
         done = False
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
@@ -421,6 +432,9 @@ class LlamaCppEngine:
                 except TimeoutError as exc:
                     stuck_after_s = idle_timeout_s or timeout_s or 0.0
                     raise self._timed_out(proc, wait or 0.0, stuck_after_s) from exc
+                if rid in self._paused and stream.qsize() <= STREAM_LOW_WATER:
+                    self._paused.discard(rid)
+                    self._post({"op": "resume", "id": rid})
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -433,6 +447,7 @@ class LlamaCppEngine:
                     return
         finally:
             self._streams.pop(rid, None)
+            self._paused.discard(rid)
             if not done:
                 self._post({"op": "cancel", "id": rid})
 

@@ -13,6 +13,7 @@ Commands::
     {"op": "score", "id": "r3", "prompt": "...", "special": false, "tokens": [101, 7],
      "ref": {"path": "/dev/shm/quantroute-logits.<pid>.<hex>.f32", "shape": [2, 354]}}
     {"op": "cancel", "id": "r1"}
+    {"op": "pause", "id": "r1"}      {"op": "resume", "id": "r1"}   (a slow reader's backpressure)
     {"op": "shutdown"}
 
 Events::
@@ -103,6 +104,7 @@ class Sequence:
     bias_values: np.ndarray[Any, Any] | None = None
     ignore_eos: bool = False
     deadline: float | None = None  # time.monotonic(); past it the sequence finishes "deadline"
+    paused: bool = False  # its reader is slow: keep the slot, decode nothing until resumed
     first_scored: int = -1  # >= 0: a scoring job; its rows from this position on go to `job`
     job: ScoringJob | None = None
     slot: int = -1
@@ -278,6 +280,10 @@ class Worker:
                 )
         elif op == "cancel":
             self.cancel(str(cmd.get("id", "")))
+        elif op in ("pause", "resume"):  # the gateway's buffer for it is full / drained
+            seq = self.active.get(str(cmd.get("id", "")))
+            if seq is not None:
+                seq.paused = op == "pause"
 
     def admit(self, cmd: dict[str, Any]) -> None:
         rid, s = cmd["id"], cmd["s"]
@@ -436,7 +442,8 @@ class Worker:
 
     def run(self) -> None:
         while self.running:
-            idle = not self.active and not self.waiting
+            # nothing to decode (paused sequences wait for their readers): block on commands
+            idle = not self.waiting and all(seq.paused for seq in self.active.values())
             try:
                 self.handle(self.commands.get(block=idle))
                 while self.running:
@@ -447,7 +454,7 @@ class Worker:
                 seq = self.waiting.popleft()
                 seq.slot = self.free_slots.pop()
                 self.active[seq.rid] = seq
-            if self.running and self.active:
+            if self.running and any(not seq.paused for seq in self.active.values()):
                 self.step()
             self.drop_refused()
             self.flush()
@@ -459,7 +466,7 @@ class Worker:
         outputs: list[tuple[int, Sequence]] = []
         scoring: list[tuple[int, Sequence]] = []
         for seq in self.active.values():  # decoding sequences first: one token each
-            if seq.next_token is not None:
+            if seq.next_token is not None and not seq.paused:
                 self._put(n, seq.next_token, seq.n_past, seq.slot, True)
                 outputs.append((n, seq))
                 seq.n_past += 1
@@ -467,7 +474,7 @@ class Worker:
                 n += 1
         budget = self.score_rows_per_step
         for seq in self.active.values():  # then prompt slices, as room allows
-            if seq.prefilling and n < self.n_batch:
+            if seq.prefilling and n < self.n_batch and not seq.paused:
                 take = min(len(seq.prompt) - seq.fed, self.n_batch - n)
                 if seq.first_scored >= 0:  # a scoring job: its scored rows share a budget
                     first = max(seq.fed, seq.first_scored)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from quantroute.resilience.admission import Admission, Ticket
 from quantroute.resilience.breaker import BreakerPolicy, Breakers, BreakerState, CircuitBreaker
 from quantroute.resilience.budget import RetryBudget
+from quantroute.resilience.resume import Stream, StreamStore
 from quantroute.resilience.tenants import OPEN, Tenant, TenantLimits, Tenants, load_tenants
 
 __all__ = [
@@ -15,6 +16,8 @@ __all__ = [
     "Breakers",
     "CircuitBreaker",
     "RetryBudget",
+    "Stream",
+    "StreamStore",
     "Tenant",
     "TenantLimits",
     "Tenants",

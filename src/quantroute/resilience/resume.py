@@ -1,0 +1,324 @@
+"""Resumable streams: a stream's events outlive its HTTP response.
+
+A :class:`StreamStore` runs each stream's producer (the generation, as event
+payloads) in a task of its own and numbers and keeps what it produces, so the
+response that started it is only its first *watcher*. A watcher follows the
+stream from any event on (:meth:`Stream.follow`): the kept events after it,
+then the live rest as it comes, then the end. A client that drops and comes
+back (``Last-Event-ID``) gets exactly the events it missed::
+
+    store = StreamStore(StreamSettings())
+    stream = store.open("job-1", "acme", payloads, close=run.close, grace_s=10)
+    async for item in stream.follow(after=None, keepalive_s=15): ...   # the first client
+    async for item in store.get("job-1", "acme", after=41).follow(41, 15): ...  # it, again
+
+When a stream's last watcher leaves before the end, the producer goes on for
+``grace_s`` (0: not at all) and is then cancelled if nobody came back, which
+closes the generation and frees its slot. A finished stream is kept for
+``retention_s``; the store holds at most ``max_streams`` (the oldest finished
+go first; live streams always stay, admission bounds them) and each the
+latest ``max_events_per_stream``. The producer never runs further ahead of
+its slowest reader (or, with none, of where the last one left) than 7/8 of
+that: a slow reader holds the generation back instead of losing events, and
+the last 1/8 keeps what was in flight when a client dropped. Only the owner
+(a tenant name) may follow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import OrderedDict, deque
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+
+from quantroute.config import StreamSettings
+from quantroute.errors import NotFoundError, QuantrouteError
+
+__all__ = ["Stream", "StreamStore"]
+
+log = logging.getLogger(__name__)
+
+# A stream nobody has watched yet gets this long for its first watcher (the response
+# that opened it) before it counts as left: a response that never starts frees its slot.
+ATTACH_S = 5.0
+
+
+def _payload(error: QuantrouteError) -> bytes:
+    return json.dumps(error.to_openai(), separators=(",", ":")).encode()
+
+
+CANCELLED = _payload(
+    QuantrouteError(
+        "the stream was cancelled: its client left and did not come back in time",
+        code="stream_cancelled",
+    )
+)
+FAILED = _payload(QuantrouteError("internal error while streaming"))
+
+
+class Stream:
+    """One stream's numbered events (``seq`` 0, 1, ...), the latest ``max_events`` kept."""
+
+    def __init__(
+        self, key: str, owner: str, headers: Mapping[str, str], max_events: int, grace_s: float
+    ):
+        self.key = key
+        self.owner = owner
+        self.headers = dict(headers)  # of the response that started it, for resumes
+        self.next_seq = 0  # the seq the next event gets
+        self.done = False
+        self.ended_at: float | None = None  # loop time of the end
+        self._events: deque[bytes] = deque(maxlen=max_events)
+        self._wake = asyncio.Event()  # replaced on each append: watchers wait on it
+        # The producer stays this many events ahead of the slowest reader at most; the rest
+        # of the window keeps events that were in flight when a client dropped.
+        self._ahead = max(1, max_events - max_events // 8)
+        self._cursors: list[list[int]] = []  # each watcher's next seq
+        self._left_at = 0  # where the last watcher to leave was: a resume starts near it
+        self._moved = asyncio.Event()  # a reader moved on (or left): the producer may go on
+        self._grace_s = grace_s
+        self._watchers = 0
+        self._producer: asyncio.Task[None] | None = None
+        self._started = False  # the producer ran its first step
+        self._stopping = False  # cancelled before that: it stops as soon as it runs
+        self._reaper: asyncio.TimerHandle | None = None
+        self._expiry: asyncio.TimerHandle | None = None
+
+    @property
+    def first_seq(self) -> int:
+        """The seq of the oldest event still kept."""
+        return self.next_seq - len(self._events)
+
+    @property
+    def watchers(self) -> int:
+        return self._watchers
+
+    def keeps_after(self, after: int | None) -> bool:
+        """Whether every event after ``after`` (``None``: all) is still kept."""
+        return (-1 if after is None else after) + 1 >= self.first_seq
+
+    async def room(self) -> None:
+        """Returns when the slowest reader (or, with none, the last to leave) is close enough
+        that one more event loses nothing it still needs: backpressure on the generation."""
+        while not self.done and self.next_seq - self._floor() >= self._ahead:
+            self._moved.clear()
+            await self._moved.wait()
+
+    def _floor(self) -> int:
+        return min(c[0] for c in self._cursors) if self._cursors else self._left_at
+
+    def append(self, data: bytes) -> None:
+        if self.done:
+            return
+        self._events.append(data)
+        self.next_seq += 1
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    def end(self, now: float) -> None:
+        self.done = True
+        self.ended_at = now
+        self._cancel_reaper()
+        self._wake.set()
+
+    async def follow(
+        self, after: int | None, keepalive_s: float | None = None
+    ) -> AsyncGenerator[tuple[int, bytes] | None, None]:
+        """``(seq, data)`` of every event after ``after`` (``None``: from the first), live
+        ones as they come, until the end; ``None`` after ``keepalive_s`` idle."""
+        seq = 0 if after is None else after + 1
+        cursor = [seq]
+        self._attach(cursor)
+        try:
+            while True:
+                if seq < self.first_seq:  # this watcher fell behind what is kept
+                    raise NotFoundError(
+                        "the stream's events after that id are no longer kept",
+                        code="stream_events_gone",
+                    )
+                if seq < self.next_seq:
+                    yield seq, self._events[seq - self.first_seq]
+                    seq += 1
+                    cursor[0] = seq
+                    self._moved.set()
+                    continue
+                if self.done:
+                    return
+                wake = self._wake
+                try:
+                    await asyncio.wait_for(wake.wait(), keepalive_s)
+                except TimeoutError:
+                    yield None
+        finally:
+            self._detach(cursor)  # sync: this may run inside a cancelled scope
+
+    # -- watchers and the grace ----------------------------------------------------
+
+    def _attach(self, cursor: list[int]) -> None:
+        self._watchers += 1
+        self._cursors.append(cursor)
+        self._cancel_reaper()
+        self._moved.set()
+
+    def _detach(self, cursor: list[int]) -> None:
+        self._watchers -= 1
+        self._cursors.remove(cursor)
+        self._moved.set()
+        if self._watchers == 0:
+            self._left_at = cursor[0]
+        if self._watchers == 0 and not self.done:
+            if self._grace_s <= 0:
+                self.cancel()
+            else:
+                self._arm(self._grace_s)
+
+    def _arm(self, delay_s: float) -> None:
+        self._cancel_reaper()
+        self._reaper = asyncio.get_running_loop().call_later(delay_s, self._reap)
+
+    def _reap(self) -> None:
+        self._reaper = None
+        if self._watchers == 0 and not self.done:
+            log.info("stream %s: nobody came back; cancelling its generation", self.key)
+            self.cancel()
+
+    def _cancel_reaper(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
+
+    def cancel(self) -> None:
+        """Stop the producer (its generation is closed; the stream ends with an error)."""
+        if not self._started:
+            self._stopping = True  # a task cancelled before its first step runs no finally
+        elif self._producer is not None and not self._producer.done():
+            self._producer.cancel()
+
+
+class StreamStore:
+    """The streams of one gateway, by key; see the module docstring. ``close`` on shutdown."""
+
+    def __init__(self, settings: StreamSettings):
+        self.settings = settings
+        self._streams: dict[str, Stream] = {}
+        self._finished: OrderedDict[str, Stream] = OrderedDict()  # in the order they ended
+        self._closers: dict[str, Callable[[], Awaitable[None]]] = {}  # not yet called
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def open(
+        self,
+        key: str,
+        owner: str,
+        source: AsyncIterator[bytes],
+        *,
+        close: Callable[[], Awaitable[None]],
+        grace_s: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> Stream:
+        """Start producing ``source`` into a new stream; ``close`` is awaited once when it
+        ends, however it ends (it frees the generation)."""
+        if key in self._streams:
+            raise ValueError(f"stream {key} exists")
+        while len(self._streams) >= self.settings.max_streams and self._finished:
+            self._drop(next(iter(self._finished)))
+        stream = Stream(key, owner, headers or {}, self.settings.max_events_per_stream, grace_s)
+        self._streams[key] = stream
+        self._closers[key] = close
+        stream._producer = asyncio.get_running_loop().create_task(
+            self._produce(stream, source), name=f"stream:{key}"
+        )
+        stream._arm(max(grace_s, ATTACH_S))
+        return stream
+
+    def get(self, key: str, owner: str, after: int | None = None) -> Stream:
+        """The stream ``key`` of ``owner`` that still keeps the events after ``after``;
+        a 404 otherwise (unknown, expired, or another owner's: the same answer)."""
+        stream = self._streams.get(key)
+        if stream is not None and self._expired(stream):
+            self._drop(key)
+            stream = None
+        if stream is None or stream.owner != owner:
+            raise NotFoundError(
+                "no such stream: unknown, expired, or not yours", code="stream_not_found"
+            )
+        if not stream.keeps_after(after):
+            raise NotFoundError(
+                "the stream's events after that id are no longer kept", code="stream_events_gone"
+            )
+        return stream
+
+    async def close(self) -> None:
+        """Cancel every producer (closing its generation) and forget every stream."""
+        streams = list(self._streams.values())
+        for stream in streams:
+            stream.cancel()
+        tasks = [s._producer for s in streams if s._producer is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for key in list(self._closers):  # in case a producer never ran (cancelled outside)
+            await self._call_close(key)
+        for key in list(self._streams):
+            self._drop(key)
+
+    # -- inside ------------------------------------------------------------------
+
+    async def _produce(self, stream: Stream, source: AsyncIterator[bytes]) -> None:
+        stream._started = True
+        try:
+            if stream._stopping:
+                raise asyncio.CancelledError
+            async for data in source:
+                await stream.room()
+                stream.append(data)
+        except asyncio.CancelledError:
+            stream.append(CANCELLED)
+            raise
+        except Exception:
+            log.exception("stream %s failed", stream.key)
+            stream.append(FAILED)
+        finally:
+            aclose = getattr(source, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+            try:
+                await self._call_close(stream.key)
+            finally:
+                self._ended(stream)
+
+    async def _call_close(self, key: str) -> None:
+        close = self._closers.pop(key, None)
+        if close is not None:
+            try:
+                await close()
+            except Exception:
+                log.exception("stream %s: closing its generation failed", key)
+
+    def _ended(self, stream: Stream) -> None:
+        loop = asyncio.get_running_loop()
+        stream.end(loop.time())
+        if self._streams.get(stream.key) is not stream:
+            return  # dropped already (shutdown)
+        self._finished[stream.key] = stream
+        stream._expiry = loop.call_later(self.settings.retention_s, self._expire, stream)
+
+    def _expire(self, stream: Stream) -> None:
+        if self._streams.get(stream.key) is stream:
+            self._drop(stream.key)
+
+    def _expired(self, stream: Stream) -> bool:
+        return (
+            stream.ended_at is not None
+            and asyncio.get_running_loop().time() - stream.ended_at >= self.settings.retention_s
+        )
+
+    def _drop(self, key: str) -> None:
+        stream = self._streams.pop(key, None)
+        self._finished.pop(key, None)
+        if stream is not None:
+            stream._cancel_reaper()
+            if stream._expiry is not None:
+                stream._expiry.cancel()

@@ -1,0 +1,87 @@
+"""Slow readers: a stream's buffer is bounded at every hop, and the worker pauses a
+sequence whose reader falls behind, then resumes it; a reader stalled past its limit is
+cut off and its slot freed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from qrtest import demo_model_dir, fake_table
+from quantroute.api.jobs import RUN_BUFFER_EVENTS, ReaderStalledError, Run, build_job
+from quantroute.api.schemas import CompletionRequest
+from quantroute.engines.base import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from quantroute.engines.fake import FakeEngine
+from quantroute.engines.llamacpp import STREAM_HIGH_WATER, LlamaCppEngine, WorkerOptions
+from quantroute.engines.supervisor import RestartPolicy
+from quantroute.routing.policy import pinned
+
+
+@pytest.mark.slow
+async def test_the_worker_pauses_for_a_slow_reader_and_resumes() -> None:
+    engine = LlamaCppEngine(
+        "tiny-llama:q4_k_m",
+        demo_model_dir() / "q4_k_m.gguf",
+        WorkerOptions(parallel=2, n_threads=1, n_ctx=2048),
+        RestartPolicy(backoff_s=0.2),
+    )
+    await engine.start()
+    try:
+        n = 1500
+        request = GenerationRequest(
+            "slow", "def ", SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        )
+        stream = aiter(engine.generate(request))
+        await anext(stream)  # start
+        await asyncio.sleep(1.5)  # the reader reads nothing: ~1.5 s of decoding would be >n
+        buffered = next(iter(engine._streams.values())).qsize()
+        assert STREAM_HIGH_WATER <= buffered <= STREAM_HIGH_WATER + 8  # paused at the mark
+        await asyncio.sleep(0.5)
+        assert next(iter(engine._streams.values())).qsize() == buffered  # still paused
+        tokens, finish = 0, None
+        async for event in stream:  # reading resumes it, to the end
+            if isinstance(event, TokenEvent):
+                tokens += 1
+            elif isinstance(event, FinishEvent):
+                finish = event
+        assert finish is not None and finish.completion_tokens == n and tokens == n
+    finally:
+        await engine.stop()
+
+
+async def test_a_reader_stalled_past_its_limit_is_cut_off_and_the_slot_freed() -> None:
+    engine = FakeEngine()
+    table = fake_table({"f16": engine})
+    branch = table.models["tiny-llama"].branches[0]
+    req = CompletionRequest(model="tiny-llama:f16", prompt="x", max_tokens=400, stream=True)
+    job = build_job(
+        req,
+        pinned("tiny-llama", branch.id, ready=True, retry_after_s=1.0),
+        (branch,),
+        None,
+        max_tokens=400,
+        deadline=None,
+    )
+    await engine.start()
+    stream = aiter(engine.generate(job.requests[0]))
+    first = await anext(stream)
+    outcome: list[bool | None] = []
+    run = Run(
+        job,
+        branch,
+        [stream],
+        [1],
+        pending=[[first]],
+        on_done=lambda r, ok: outcome.append(ok),
+        stall_timeout_s=0.2,
+    )
+    events = aiter(run.events())
+    await anext(events)  # the reader takes one event, then stalls
+    await asyncio.sleep(0.5)
+    assert engine.in_flight == 0  # cut off: the generation was cancelled, its slot freed
+    assert run._queue.qsize() <= 2  # what it did not read was dropped, not kept
+    with pytest.raises(ReaderStalledError):
+        async for _ in events:
+            pass
+    assert outcome == [None] and RUN_BUFFER_EVENTS > 0

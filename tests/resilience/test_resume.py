@@ -1,0 +1,259 @@
+"""The stream store on plain asyncio: numbering, replay after N, the live tail, the grace
+before a dropped stream is cancelled, expiry, bounds, backpressure and the owner check."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from quantroute.config import StreamSettings
+from quantroute.errors import NotFoundError
+from quantroute.resilience.resume import CANCELLED, Stream, StreamStore
+
+
+class Source:
+    """A producer fed by the test: ``put`` an event, ``finish`` to end; records its close."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.closed = asyncio.Event()
+        self.produced = 0
+
+    async def events(self) -> AsyncIterator[bytes]:
+        while (item := await self.queue.get()) is not None:
+            self.produced += 1
+            yield item
+
+    async def close(self) -> None:
+        self.closed.set()
+
+    def put(self, *items: bytes) -> None:
+        for item in items:
+            self.queue.put_nowait(item)
+
+    def finish(self) -> None:
+        self.queue.put_nowait(None)
+
+
+def _store(**settings: Any) -> StreamStore:
+    return StreamStore(StreamSettings(**settings))
+
+
+def _open(
+    store: StreamStore, key: str = "k", owner: str = "acme", grace_s: float = 0.0
+) -> tuple[Stream, Source]:
+    source = Source()
+    stream = store.open(key, owner, source.events(), close=source.close, grace_s=grace_s)
+    return stream, source
+
+
+async def _read(
+    stream: Stream, after: int | None, count: int | None = None
+) -> list[tuple[int, bytes]]:
+    out: list[tuple[int, bytes]] = []
+    async for item in stream.follow(after, keepalive_s=5):
+        assert item is not None
+        out.append(item)
+        if count is not None and len(out) == count:
+            break
+    return out
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_events_are_numbered_and_replayed_after_n_then_the_live_tail() -> None:
+    store = _store()
+    stream, source = _open(store)
+    source.put(b"a", b"b", b"c")
+    first = await _read(stream, None, count=2)  # a client reads two, then drops
+    assert first == [(0, b"a"), (1, b"b")]
+    resumed = asyncio.create_task(_read(store.get("k", "acme", after=1), after=1))
+    await _settle()
+    source.put(b"d", b"[DONE]")  # produced while the resumer waits: the live tail
+    source.finish()
+    assert await resumed == [(2, b"c"), (3, b"d"), (4, b"[DONE]")]
+    assert stream.done and source.closed.is_set()
+    # a finished stream replays whole, from the start or after any N
+    assert [d for _, d in await _read(store.get("k", "acme"), None)] == [
+        b"a",
+        b"b",
+        b"c",
+        b"d",
+        b"[DONE]",
+    ]
+    assert await _read(store.get("k", "acme", after=3), after=3) == [(4, b"[DONE]")]
+    await store.close()
+
+
+async def test_a_watcher_gets_keepalives_while_idle() -> None:
+    store = _store()
+    stream, source = _open(store)
+    items = stream.follow(None, keepalive_s=0.05)
+    assert await anext(items) is None  # idle: a keep-alive tick
+    source.put(b"x")
+    assert await anext(items) == (0, b"x")
+    await items.aclose()
+    await store.close()
+
+
+async def test_with_no_grace_the_last_watcher_leaving_cancels_at_once() -> None:
+    store = _store()
+    stream, source = _open(store, grace_s=0)
+    source.put(b"a")
+    assert await _read(stream, None, count=1) == [(0, b"a")]  # break: the watcher leaves
+    await asyncio.wait_for(source.closed.wait(), 1)
+    await _settle()
+    assert stream.done
+    # what it had, then why it ended: no [DONE]
+    assert [d for _, d in await _read(store.get("k", "acme"), None)] == [b"a", CANCELLED]
+    assert json.loads(CANCELLED)["error"]["code"] == "stream_cancelled"
+    await store.close()
+
+
+async def test_within_the_grace_generation_goes_on_and_a_reconnect_gets_the_rest() -> None:
+    store = _store()
+    stream, source = _open(store, grace_s=0.3)
+    source.put(b"a", b"b")
+    assert await _read(stream, None, count=1) == [(0, b"a")]  # dropped after one event
+    source.put(b"c")
+    await asyncio.sleep(0.1)
+    assert not source.closed.is_set() and source.produced == 3  # still generating
+    resumed = asyncio.create_task(_read(store.get("k", "acme", after=0), after=0))
+    await asyncio.sleep(0.4)  # past the grace, but someone is watching again
+    assert not source.closed.is_set()
+    source.put(b"[DONE]")
+    source.finish()
+    assert await resumed == [(1, b"b"), (2, b"c"), (3, b"[DONE]")]
+    await store.close()
+
+
+async def test_nobody_back_within_the_grace_cancels_the_generation() -> None:
+    store = _store()
+    stream, source = _open(store, grace_s=0.1)
+    source.put(b"a")
+    await _read(stream, None, count=1)
+    await asyncio.sleep(0.05)
+    assert not source.closed.is_set()
+    await asyncio.wait_for(source.closed.wait(), 1)
+    await _settle()
+    assert stream.done
+    await store.close()
+
+
+async def test_a_stream_nobody_ever_reads_is_cancelled_after_the_attach_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("quantroute.resilience.resume.ATTACH_S", 0.05)
+    store = _store()
+    _, source = _open(store, grace_s=0)
+    await asyncio.wait_for(source.closed.wait(), 1)
+    await store.close()
+
+
+async def test_finished_streams_expire_after_the_retention() -> None:
+    store = _store(retention_s=0.1)
+    _, source = _open(store)
+    source.put(b"[DONE]")
+    source.finish()
+    await asyncio.wait_for(source.closed.wait(), 1)
+    await _settle()
+    assert store.get("k", "acme").done
+    await asyncio.sleep(0.15)
+    with pytest.raises(NotFoundError) as info:
+        store.get("k", "acme")
+    assert (
+        info.value.status == 404 and info.value.to_openai()["error"]["code"] == "stream_not_found"
+    )
+    assert len(store) == 0  # the timer dropped it, too
+
+
+async def test_only_the_owner_may_follow_and_unknown_streams_404() -> None:
+    store = _store()
+    _, source = _open(store, owner="acme")
+    for key, owner in (("k", "other"), ("nope", "acme")):
+        with pytest.raises(NotFoundError) as info:
+            store.get(key, owner)
+        assert info.value.message == "no such stream: unknown, expired, or not yours"
+    assert store.get("k", "acme").owner == "acme"
+    await store.close()
+    assert source.closed.is_set()
+
+
+async def test_over_max_streams_the_oldest_finished_go_first_and_live_ones_stay() -> None:
+    store = _store(max_streams=2)
+    _, live = _open(store, "live")
+    _, old = _open(store, "old")
+    old.finish()
+    await asyncio.wait_for(old.closed.wait(), 1)
+    await _settle()
+    _open(store, "new")  # over the bound: "old" (finished) goes, "live" stays
+    assert len(store) == 2
+    with pytest.raises(NotFoundError):
+        store.get("old", "acme")
+    assert not store.get("live", "acme").done
+    _open(store, "newer")  # none finished to drop: live streams are never dropped
+    assert len(store) == 3
+    await store.close()
+    assert live.closed.is_set()
+
+
+async def test_each_stream_keeps_its_latest_events_and_a_resume_from_before_404s() -> None:
+    store = _store(max_events_per_stream=16)
+    stream, source = _open(store, grace_s=5)
+    source.put(*(b"%d" % i for i in range(40)), b"[DONE]")
+    source.finish()
+    got = await _read(stream, None)  # a reader keeping up sees every event
+    assert [seq for seq, _ in got] == list(range(41))
+    await _settle()
+    assert stream.first_seq == 41 - 16
+    with pytest.raises(NotFoundError) as info:
+        store.get("k", "acme", after=5)
+    assert info.value.to_openai()["error"]["code"] == "stream_events_gone"
+    assert (await _read(store.get("k", "acme", after=30), after=30))[0] == (31, b"31")
+    await store.close()
+
+
+async def test_the_producer_waits_for_a_slow_reader_and_for_a_dropped_one() -> None:
+    store = _store(max_events_per_stream=16)  # stays at most 14 events ahead
+    stream, source = _open(store, grace_s=5)
+    source.put(*(b"%d" % i for i in range(100)))
+    items = stream.follow(None, keepalive_s=5)
+    # an event handed out counts as read once the reader asks for the next one
+    assert await anext(items) == (0, b"0")
+    await asyncio.sleep(0.05)
+    assert stream.next_seq == 14  # backpressure: not 100
+    assert await anext(items) == (1, b"1")
+    await _settle()
+    assert stream.next_seq == 1 + 14
+    await items.aclose()  # the reader drops: the producer keeps what a resume needs
+    await asyncio.sleep(0.05)
+    assert stream.next_seq == 1 + 14 and stream.first_seq == 0
+    resumed = store.get("k", "acme", after=0)
+    assert await _read(resumed, after=0, count=30) == [(i, b"%d" % i) for i in range(1, 31)]
+    await store.close()
+
+
+async def test_close_cancels_every_producer_and_forgets_every_stream() -> None:
+    store = _store()
+    sources = [_open(store, f"s{i}", grace_s=60)[1] for i in range(3)]
+    await _settle()
+    await store.close()
+    assert all(s.closed.is_set() for s in sources)
+    assert len(store) == 0
+
+
+async def test_a_producer_cancelled_before_it_ran_still_closes() -> None:
+    store = _store()
+    stream, source = _open(store, grace_s=0)
+    stream.cancel()  # before the producer task's first step
+    await asyncio.wait_for(source.closed.wait(), 1)
+    await _settle()
+    assert stream.done
+    await store.close()
