@@ -261,10 +261,16 @@ def markdown_table(rows: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in [[*COLUMNS], align, *rows])
 
 
+def _model_name(config: dict[str, Any]) -> str:
+    """The benchmarked model's folder name (tiny-llama, stdlib-bpe-llama, ...)."""
+    models = config["models"]
+    return Path(models[0][1]).parent.name if models else "?"
+
+
 def caption(data: dict[str, Any]) -> str:
     m, c = data["machine"], data["config"]
     return (
-        f"{data['date']}, {m['cpu']} ({m['cpus']} CPUs); tiny-llama, {c['tokens']} tokens x "
+        f"{data['date']}, {m['cpu']} ({m['cpus']} CPUs); {_model_name(c)}, {c['tokens']} tokens x "
         f"{c['reps']} reps per round, {c['rounds']} rounds, {c['threads']} thread; "
         f"llama-cpp-python {data['builds']['portable']['llama_cpp_python']}, "
         f"ggml {data['builds']['portable']['ggml_commit']}"
