@@ -203,6 +203,7 @@ class Gateway:
             health=self.health,
             margin=self.margin,
             popularity=self.popularity,
+            stale_free_cap_bytes=settings.routing.tight_free_bytes - 1,
         )
         self.service = Service(self)
         self._branch_of: dict[int, Branch] = {}

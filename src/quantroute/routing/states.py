@@ -87,6 +87,7 @@ class BranchStates:
         health: HealthTracker,
         margin: MarginPolicy,
         popularity: RecentRate,
+        stale_free_cap_bytes: int | None = None,
     ):
         self._routes = routes
         self._snapshot = snapshot
@@ -97,6 +98,10 @@ class BranchStates:
         self._health = health
         self._margin = margin
         self._popularity = popularity
+        # With a stale device reading, free memory counts as at most this (routing's tight
+        # threshold): routing turns conservative — the cheapest branch that meets the
+        # bound — never optimistic on a reading that may be long out of date.
+        self._stale_free_cap_bytes = stale_free_cap_bytes
 
     def read(self, model: str) -> tuple[BranchState, ...]:
         route = self._routes.current.models.get(model)
@@ -104,6 +109,8 @@ class BranchStates:
             return ()
         snapshot = self._snapshot()
         now = time.monotonic()
+        cap = self._stale_free_cap_bytes
+        stale = cap is not None and snapshot is not None and snapshot.is_stale(now)
         states = []
         for b in route.branches:
             placement = self._placements.get(b.id)
@@ -129,7 +136,9 @@ class BranchStates:
                     decode_tps=profile.decode_tps if profile else None,
                     kv_bytes_per_token=placement.kv_bytes_per_token if placement else 0,
                     device=device_id,
-                    device_free_bytes=self._margin.headroom(device) if device else 0,
+                    device_free_bytes=_free(self._margin.headroom(device), cap, stale)
+                    if device
+                    else 0,
                     device_total_bytes=device.total_bytes if device else 0,
                     device_health=self._health.factor(device_id),
                     running=min(in_flight, parallel),
@@ -140,3 +149,8 @@ class BranchStates:
                 )
             )
         return tuple(states)
+
+
+def _free(headroom: int, cap: int | None, stale: bool) -> int:
+    """Free-for-routing bytes, capped while the reading is stale."""
+    return min(headroom, cap) if stale and cap is not None else headroom

@@ -1,0 +1,65 @@
+"""Building branch states: a stale device reading makes routing conservative."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from qrtest import fake_table
+from quantroute.resilience import Breakers
+from quantroute.routing import RouteTableRef
+from quantroute.routing.policy import choose
+from quantroute.routing.records import RequestShape
+from quantroute.routing.requirement import parse_requirement
+from quantroute.routing.settings import GiB, RoutingSettings
+from quantroute.routing.states import BranchStates, RecentRate
+from quantroute.telemetry import HealthTracker, MarginPolicy
+from quantroute.telemetry.memory import Footprint
+from quantroute.telemetry.occupancy import Placement
+from quantroute.telemetry.snapshot import DeviceSnapshot
+from quantroute.telemetry.stats import DeviceKind, DeviceStats
+
+
+class _Ready:
+    def routable(self, branch: object) -> bool:
+        return True
+
+
+class _Placements:
+    def get(self, branch_id: str) -> Placement:
+        return Placement("sim:0", Footprint(0, 0, 0, 0), kv_bytes_per_token=1024)
+
+
+def _states(snapshot: DeviceSnapshot, settings: RoutingSettings) -> BranchStates:
+    return BranchStates(
+        RouteTableRef(fake_table()),
+        lambda: snapshot,
+        lifecycle=_Ready(),
+        placements=_Placements(),
+        degraded=lambda branch_id: False,
+        breakers=Breakers(),
+        health=HealthTracker(),
+        margin=MarginPolicy(min_bytes=0, fraction=0.0),
+        popularity=RecentRate(),
+        stale_free_cap_bytes=settings.tight_free_bytes - 1,
+    )
+
+
+def test_a_stale_reading_caps_free_memory_so_routing_turns_conservative() -> None:
+    settings = RoutingSettings()
+    device = DeviceStats("sim:0", DeviceKind.SIM, "sim", 24 * GiB, 0, 24 * GiB)
+    now = time.monotonic()
+    fresh = DeviceSnapshot(devices=(device,), taken_at=now)
+    stale = dataclasses.replace(fresh, taken_at=now - 3600)
+    requirement = parse_requirement("fast", None, None, None, settings)
+    shape = RequestShape(64, 16)
+    free = [s.device_free_bytes for s in _states(fresh, settings).read("tiny-llama")]
+    assert free == [24 * GiB] * 3
+    ample = choose(
+        "tiny-llama", requirement, shape, _states(fresh, settings).read("tiny-llama"), settings
+    )
+    assert ample.primary == "tiny-llama:f16"  # ample memory: the most faithful
+    capped = _states(stale, settings).read("tiny-llama")
+    assert {s.device_free_bytes for s in capped} == {settings.tight_free_bytes - 1}
+    tight = choose("tiny-llama", requirement, shape, capped, settings)
+    assert tight.primary == "tiny-llama:q4_k_m"  # stale: the cheapest that meets the bound
