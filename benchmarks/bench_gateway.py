@@ -1,0 +1,245 @@
+"""The gateway's own cost: request rate at a latency bound, and CPU per streamed token.
+
+The server is the real app (``create_app``: routing, admission, breakers, the
+stream store, SSE) in its own process under uvicorn, with ``FakeEngine``
+branches that generate for free, so what is measured is the gateway alone.
+The load generator is this process, over real loopback sockets.
+
+1. **Rate.** Open-loop arrivals at a fixed rate (one request every 1/rate s,
+   whether or not earlier ones are done) for ``--seconds`` per step, at rising
+   rates; each request is a non-streamed completion of one token. The highest
+   rate whose p99 latency is at most ``--p99-ms`` with zero errors is the
+   figure. Latency here is all added latency: the engine costs nothing.
+2. **CPU per streamed token.** ``--streams`` streamed completions of
+   ``--stream-tokens`` tokens each, ``--concurrency`` at a time; the server
+   process's CPU time (user + system, from /proc) over the tokens it streamed.
+
+On a 2-core machine the load generator shares the CPU with the server, so the
+rate is a floor of what a dedicated client would see; the CPU figure is the
+server's own and is not affected by that. Results go to
+``benchmarks/results/gateway-<date>.json``; ``--markdown`` prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+SERVER = r"""
+import sys, uvicorn
+from pathlib import Path
+from quantroute.api.app import create_app
+from quantroute.config import load_settings
+from quantroute.engines.fake import FakeEngine
+from quantroute.registry.manifest import BranchArtifact
+from quantroute.routing.table import Branch, ModelRoute, RouteTable
+from quantroute.types import Precision
+
+branches = []
+for name in ("f16", "q8_0", "q4_k_m"):
+    artifact = BranchArtifact("m", name, Precision(name), "fake", Path(f"/{name}.gguf"), "0" * 64,
+                              0, name == "f16")
+    branches.append(Branch("m", name, Precision(name), artifact, FakeEngine(n_ctx=4096)))
+table = RouteTable.build([ModelRoute("m", "f16", tuple(branches))])
+settings = load_settings(telemetry={"devices": "sim:1x24GiB"}, server={"log_level": "warning"},
+                         admission={"queue_size": 4096}, limits={"max_tokens": 4096})
+uvicorn.run(create_app(settings, table=table), host="127.0.0.1", port=int(sys.argv[1]),
+            log_level="warning", access_log=False)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def cpu_seconds(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
+
+
+async def wait_ready(base: str, timeout_s: float = 60.0) -> None:
+    async with httpx.AsyncClient(base_url=base) as c:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if (await c.get("/readyz")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.2)
+    raise RuntimeError("the server did not become ready")
+
+
+async def rate_step(base: str, rate: float, seconds: float) -> dict[str, Any]:
+    body = {"model": "m", "prompt": "x", "max_tokens": 1, "quality": "fast"}
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+    latencies: list[float] = []
+    errors = 0
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=30) as c:
+
+        async def one() -> None:
+            nonlocal errors
+            t0 = time.perf_counter()
+            try:
+                r = await c.post("/v1/completions", json=body)
+                if r.status_code != 200:
+                    errors += 1
+            except httpx.HTTPError:
+                errors += 1
+            latencies.append(time.perf_counter() - t0)
+
+        for _ in range(20):  # warm the connection pool
+            await one()
+        latencies.clear()
+        errors = 0
+        tasks = []
+        start = time.perf_counter()
+        n = int(rate * seconds)
+        for i in range(n):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+        achieved = n / (time.perf_counter() - start)
+    latencies.sort()
+    p = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+    return {
+        "rate": rate,
+        "achieved_rps": achieved,
+        "requests": n,
+        "errors": errors,
+        "p50_ms": 1000 * statistics.median(latencies),
+        "p99_ms": 1000 * p,
+    }
+
+
+async def stream_cost(
+    base: str, pid: int, streams: int, tokens: int, concurrency: int
+) -> dict[str, Any]:
+    body = {"model": "m", "prompt": "x", "max_tokens": tokens, "stream": True, "quality": "fast"}
+    got = 0
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=base, timeout=60) as c:
+
+        async def one() -> None:
+            nonlocal got
+            async with sem, c.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    # one chunk per token; the last (finish_reason, no text) is not one
+                    if (
+                        line.startswith("data: {")
+                        and '"text":"' in line
+                        and '"text":""' not in line
+                    ):
+                        got += 1
+
+        await one()  # warm-up
+        got = 0
+        cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(streams)))
+        cpu, wall = cpu_seconds(pid) - cpu0, time.perf_counter() - t0
+    return {
+        "streams": streams,
+        "tokens": got,
+        "server_cpu_s": cpu,
+        "wall_s": wall,
+        "cpu_us_per_token": 1e6 * cpu / max(got, 1),
+        "tokens_per_s": got / wall,
+    }
+
+
+def start_server(port: int) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    return subprocess.Popen([sys.executable, "-c", SERVER, str(port)], env=env)
+
+
+async def main(
+    args: argparse.Namespace, proc: subprocess.Popen[bytes], port: int
+) -> dict[str, Any]:
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready(base)
+        steps = []
+        for rate in args.rates:
+            step = await rate_step(base, rate, args.seconds)
+            steps.append(step)
+            print(
+                f"rate {rate:6.0f}/s: achieved {step['achieved_rps']:6.1f}/s, p50 "
+                f"{step['p50_ms']:.2f} ms, p99 {step['p99_ms']:.2f} ms, errors {step['errors']}",
+                flush=True,
+            )
+        ok = [s for s in steps if s["p99_ms"] <= args.p99_ms and s["errors"] == 0]
+        cost = await stream_cost(base, proc.pid, args.streams, args.stream_tokens, args.concurrency)
+        print(
+            f"streamed {cost['tokens']} tokens: {cost['cpu_us_per_token']:.1f} us of server CPU "
+            f"per token ({cost['tokens_per_s']:.0f} tokens/s)",
+            flush=True,
+        )
+    finally:
+        proc.terminate()
+    return {
+        "date": dt.date.today().isoformat(),
+        "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
+        "p99_bound_ms": args.p99_ms,
+        "steps": steps,
+        "highest_rate_within_bound": max((s["rate"] for s in ok), default=None),
+        "stream_cost": cost,
+    }
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument(
+        "--rates", type=float, nargs="+", default=[50, 100, 200, 300, 400, 500, 600, 800]
+    )
+    p.add_argument("--seconds", type=float, default=5.0, help="per rate step")
+    p.add_argument("--p99-ms", type=float, default=5.0)
+    p.add_argument("--streams", type=int, default=40)
+    p.add_argument("--stream-tokens", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--markdown", action="store_true")
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    port = free_port()
+    server = start_server(port)
+    try:
+        result = asyncio.run(main(args, server, port))
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"gateway-{result['date']}.json"
+    out.write_text(json.dumps(result, indent=1))
+    if args.markdown:
+        print("\n| offered rate (req/s) | achieved | p50 (ms) | p99 (ms) | errors |")
+        print("| ---: | ---: | ---: | ---: | ---: |")
+        for s in result["steps"]:
+            print(
+                f"| {s['rate']:.0f} | {s['achieved_rps']:.1f} | {s['p50_ms']:.2f} | "
+                f"{s['p99_ms']:.2f} | {s['errors']} |"
+            )
+    print(f"results: {out}")
