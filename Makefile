@@ -1,7 +1,7 @@
 # The two commands: `make serve` (serve the packaged demo model) and `make test`.
 # Each sets up what it needs: a virtual environment in .venv and the packages;
 # the first time, scripts/llama_build.sh compiles llama.cpp for a portable CPU
-# baseline (never -march=native), with CUDA where there is a GPU and a toolkit
+# baseline (never the build machine's own CPU flags), with CUDA where there is a GPU and a toolkit
 # (~8 min on 2 cores), and caches the wheel under ~/.cache/quantroute, keyed by
 # its flags.
 
