@@ -37,6 +37,20 @@ def fake_table(engines: dict[str, Engine] | None = None, model: str = "tiny-llam
     return RouteTable.build([ModelRoute(model, "f16", tuple(branches))])
 
 
+def fake_app() -> FastAPI:
+    """The real app over fake engines, with the admin key and small limits: fast enough for
+    the property and hostile-input tests to send it thousands of requests."""
+    from quantroute.api.app import create_app
+    from quantroute.config import load_settings
+
+    settings = load_settings(
+        telemetry={"devices": "sim:1x24GiB"},
+        server={"admin_key": ADMIN_KEY, "max_body_bytes": 1 << 20},
+        limits={"max_tokens": 64},
+    )
+    return create_app(settings, fake_table())
+
+
 def demo_model_dir() -> Path:
     from quantroute.config import DEMO_REPO
 

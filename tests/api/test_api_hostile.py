@@ -26,7 +26,7 @@ from fastapi import FastAPI
 
 # The answer checks are the property tests' (tests/ is on the path; tests/api is not).
 from api.test_api_properties import HEADER_MARK, MARK, check_answer, post_json
-from qrtest import ADMIN_KEY, demo_model_dir, fake_table, serving
+from qrtest import demo_model_dir, fake_app, fake_table, serving
 from quantroute.api.app import create_app
 from quantroute.api.errors import InternalErrorMiddleware
 from quantroute.api.schemas import MAX_JSON_DEPTH
@@ -51,15 +51,7 @@ ENDPOINTS = [
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client() -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(
-        load_settings(
-            telemetry={"devices": "sim:1x24GiB"},
-            server={"admin_key": ADMIN_KEY, "max_body_bytes": 1 << 20},
-            limits={"max_tokens": 64},
-        ),
-        fake_table(),
-    )
-    async with serving(app) as (c, _):
+    async with serving(fake_app()) as (c, _):
         yield c
 
 

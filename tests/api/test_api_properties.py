@@ -24,9 +24,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-from qrtest import ADMIN, ADMIN_KEY, fake_table, serving
-from quantroute.api.app import create_app
-from quantroute.config import load_settings
+from qrtest import ADMIN, fake_app, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -41,15 +39,7 @@ EXAMPLES = settings(
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client() -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(
-        load_settings(
-            telemetry={"devices": "sim:1x24GiB"},
-            server={"admin_key": ADMIN_KEY, "max_body_bytes": 1 << 20},
-            limits={"max_tokens": 64},
-        ),
-        fake_table(),
-    )
-    async with serving(app) as (c, _):
+    async with serving(fake_app()) as (c, _):
         yield c
 
 

@@ -109,32 +109,12 @@ class Model:
     baselines: Mapping[str, Baseline]
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    directory = demo_model_dir()
+def _profiled(directory: Path, scratch: Path) -> Model:
+    """A profiled model: f16 the reference, q8_0 healthy, a noisy f16 as the damaged branch
+    (served under q4_k_m's profile)."""
     artifacts = verify_artifacts(directory, load_manifest(directory))
     profiles, _ = load_profiles(directory, artifacts)
-    damaged = tmp_path_factory.mktemp("demo") / "f16-noisy.gguf"
-    perturb_gguf_weights(directory / "f16.gguf", damaged, scale=0.3, seed=7)
-    q8, q4 = profiles["q8_0"], profiles["q4_k_m"]
-    assert q8 is not None and q4 is not None
-    return Model(
-        directory / "f16.gguf",
-        directory / "q8_0.gguf",
-        damaged,  # served under q4_k_m's name and profile
-        {"healthy": Baseline(q8.mean_kld, q8.top1), "damaged": Baseline(q4.mean_kld, q4.top1)},
-    )
-
-
-@pytest.fixture(scope="module")
-def realistic(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    """The realistic demo model (32k BPE vocabulary, 8 layers, GQA), from the build cache."""
-    from qrtest import realistic_repo
-
-    directory = realistic_repo() / "stdlib-bpe-llama"
-    artifacts = verify_artifacts(directory, load_manifest(directory))
-    profiles, _ = load_profiles(directory, artifacts)
-    damaged = tmp_path_factory.mktemp("realistic") / "f16-noisy.gguf"
+    damaged = scratch / "f16-noisy.gguf"
     perturb_gguf_weights(directory / "f16.gguf", damaged, scale=0.3, seed=7)
     q8, q4 = profiles["q8_0"], profiles["q4_k_m"]
     assert q8 is not None and q4 is not None
@@ -144,6 +124,19 @@ def realistic(tmp_path_factory: pytest.TempPathFactory) -> Model:
         damaged,
         {"healthy": Baseline(q8.mean_kld, q8.top1), "damaged": Baseline(q4.mean_kld, q4.top1)},
     )
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    return _profiled(demo_model_dir(), tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="module")
+def realistic(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """The realistic demo model (32k BPE vocabulary, 8 layers, GQA), from the build cache."""
+    from qrtest import realistic_repo
+
+    return _profiled(realistic_repo() / "stdlib-bpe-llama", tmp_path_factory.mktemp("realistic"))
 
 
 @pytest.fixture(scope="module")
