@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from qrtest import demo_model_dir, fake_table
-from quantroute.api.jobs import RUN_BUFFER_EVENTS, ReaderStalledError, Run, build_job
+from quantroute.api.jobs import ReaderStalledError, Run, build_job
 from quantroute.api.schemas import CompletionRequest
 from quantroute.engines.base import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from quantroute.engines.fake import FakeEngine
@@ -84,4 +84,4 @@ async def test_a_reader_stalled_past_its_limit_is_cut_off_and_the_slot_freed() -
     with pytest.raises(ReaderStalledError):
         async for _ in events:
             pass
-    assert outcome == [None] and RUN_BUFFER_EVENTS > 0
+    assert outcome == [None]  # cut short: neither a success nor the branch's failure

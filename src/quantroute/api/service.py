@@ -62,22 +62,17 @@ class Service:
     # -- routing ----------------------------------------------------------------
 
     def route(
-        self, req: Request, headers: Mapping[str, str]
-    ) -> tuple[Decision, ModelRoute, Requirement]:
+        self, req: Request, requirement: Requirement, shape: RequestShape
+    ) -> tuple[Decision, ModelRoute]:
         """Which branches answer ``req``, in order. A pinned branch answers alone; a
-        model name goes through the routing policy (requirement, filters, score).
-        The requirement is parsed either way: a malformed header is a 400 for a pinned
-        request too, and its deadline bounds the wait for the first token."""
+        model name goes through the routing policy (requirement, filters, score)."""
         route, branch = lookup(self._gateway.routes.current, req.model)
-        requirement, shape = self._routing_inputs(req, headers)
         if branch is not None:
             ready = self._gateway.residency.routable(branch)
             retry_s = self._settings.routing.retry_after_s
-            decision = pinned(route.name, branch.id, ready=ready, retry_after_s=retry_s)
-            return decision, route, requirement
+            return pinned(route.name, branch.id, ready=ready, retry_after_s=retry_s), route
         states = self._gateway.states.read(route.name)
-        decision = choose(route.name, requirement, shape, states, self._settings.routing)
-        return decision, route, requirement
+        return choose(route.name, requirement, shape, states, self._settings.routing), route
 
     def _routing_inputs(
         self, req: Request, headers: Mapping[str, str]
@@ -136,16 +131,12 @@ class Service:
         return body
 
     async def decide(
-        self, req: Request, headers: Mapping[str, str]
-    ) -> tuple[Decision, tuple[Branch, ...], float | None]:
-        """``route``, waiting where the tier says to wait (``exact``: for the reference).
-        Also the request's deadline (monotonic seconds), if it has one."""
-        decision, route, requirement = self.route(req, headers)
-        ms = requirement.deadline_ms
-        deadline = None if ms is None else time.monotonic() + ms / 1000.0
+        self, req: Request, requirement: Requirement, shape: RequestShape
+    ) -> tuple[Decision, tuple[Branch, ...]]:
+        """``route``, waiting where the tier says to wait (``exact``: for the reference)."""
+        decision, route = self.route(req, requirement, shape)
         if decision.wait_s is not None:
             wait_until = time.monotonic() + decision.wait_s
-            deadline = time.monotonic() + decision.wait_s
             while not decision.branch_ids:
                 if time.monotonic() >= wait_until:
                     raise ServiceUnavailableError(
@@ -153,8 +144,8 @@ class Service:
                         retry_after_s=self._settings.routing.retry_after_s,
                     )
                 await asyncio.sleep(_WAIT_POLL_S)
-                decision, route, _ = self.route(req, headers)
-        return decision, route.by_id(decision.branch_ids), deadline
+                decision, route = self.route(req, requirement, shape)
+        return decision, route.by_id(decision.branch_ids)
 
     # -- running ----------------------------------------------------------------
 
@@ -181,18 +172,20 @@ class Service:
             raise RateLimitError(
                 f"this key is over its {limit.replace('_', ' ')} limit", retry_after_s=retry_s
             )
-        requirement, _ = self._routing_inputs(req, headers)
+        # parsed here, for pinned requests too: a malformed header is a 400 either way, and
+        # the deadline bounds the queue, the first token and the generation
+        requirement, shape = self._routing_inputs(req, headers)
         ms = requirement.deadline_ms
         deadline = None if ms is None else time.monotonic() + ms / 1000.0
         ticket = await gateway.admission.enter(
             route.name,
             capacity=gateway.capacity(route.name),
-            priority=tenant.priority + (getattr(req, "priority", None) or 0),
+            priority=tenant.priority + (req.priority or 0),
             tenant=tenant.name,
             deadline=deadline,
         )
         try:
-            decision, branches, _ = await self.decide(req, headers)
+            decision, branches = await self.decide(req, requirement, shape)
             prompt = None
             if isinstance(req, ChatCompletionRequest):
                 info = branches[0].engine.info
