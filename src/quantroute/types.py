@@ -76,7 +76,10 @@ class BranchId:
 @dataclass(frozen=True, slots=True)
 class Offload:
     """Where an engine runs its model: ``gpu`` is the CUDA device index in NVML's order
-    (``None``: the CPU), ``n_gpu_layers`` how many layers go there (-1: all)."""
+    (``None``: the CPU), ``n_gpu_layers`` how many layers go there (-1: all).
+    ``oom_flag`` is set on a simulated device: a file that exists while the device is
+    over its budget, so the worker's own allocations fail as a real device's would."""
 
     gpu: int | None = None
     n_gpu_layers: int = 0
+    oom_flag: str = ""

@@ -19,7 +19,6 @@ from quantroute.api.jobs import Job, Run, close_all
 from quantroute.engines.base import EngineEvent, FinishEvent, StartEvent, TokenEvent
 from quantroute.errors import (
     ContextLengthExceededError,
-    DeviceOutOfMemoryError,
     EngineError,
     ServiceUnavailableError,
 )
@@ -103,8 +102,6 @@ class Runner:
     async def _open(self, job: Job, branch: Branch, retries: int) -> Run:
         """Every choice of ``job`` on ``branch``, up to its first token; raises an
         ``EngineError`` (after closing what it opened) if the branch fails before."""
-        if not self._gateway.occupancy.admit(branch.id):
-            raise DeviceOutOfMemoryError(f"the device of branch {branch.id} is out of memory")
         timeout_s = self._settings.resilience.first_token_timeout_s
         by_deadline = job.deadline is not None and job.deadline - time.monotonic() < timeout_s
         if job.deadline is not None:

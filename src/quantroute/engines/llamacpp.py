@@ -96,6 +96,7 @@ class WorkerOptions:
     cpus: tuple[int, ...] = ()  # pin the worker to these cores; () leaves it unpinned
     fault: str = ""  # fault injection for tests (see llamacpp_worker --fault)
     gpu: int | None = None  # CUDA device index (NVML order); None: the CPU
+    oom_flag: str = ""  # a simulated device's out-of-memory flag file (see Offload)
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_event_bytes <= PIPE_LINE_LIMIT_BYTES // 2:
@@ -113,9 +114,9 @@ class WorkerOptions:
             if key == "cpus":
                 if value:
                     argv += ["--cpus", ",".join(map(str, value))]
-            elif key == "fault":
+            elif key in ("fault", "oom_flag"):
                 if value:
-                    argv += ["--fault", value]
+                    argv += [f"--{key.replace('_', '-')}", value]
             elif key not in _GATEWAY_ONLY:
                 argv += [f"--{key.replace('_', '-')}", str(value)]
         return argv
@@ -206,7 +207,9 @@ class LlamaCppEngine:
 
     def offload(self, offload: Offload) -> None:
         layers = offload.n_gpu_layers if offload.gpu is not None else 0
-        self._options = replace(self._options, gpu=offload.gpu, n_gpu_layers=layers)
+        self._options = replace(
+            self._options, gpu=offload.gpu, n_gpu_layers=layers, oom_flag=offload.oom_flag
+        )
         self._supervisor.argv = self._options.argv(self._model_path)
         self._supervisor.env = self._options.env()
 

@@ -52,6 +52,11 @@ llama.cpp does when memory runs out, returning 1; ``oversize-line`` answers
 its first scoring command
 (``logits`` or ``score``) with one line longer than the gateway's 16 MiB
 limit first, as vocabulary-sized rows once did.
+
+``--oom-flag PATH`` (set for a branch on a simulated device): while the file
+exists, the device is out of memory, and each new client sequence fails its
+KV allocation with ``device_out_of_memory`` before its first token, so the
+gateway falls back; sequences already decoding go on.
 """
 
 from __future__ import annotations
@@ -126,6 +131,7 @@ class Worker:
         self._max_event_bytes = args.max_event_bytes
         self._refused: set[str] = set()  # ids whose event was too long: dropped at step end
         self._fault = args.fault
+        self._oom_flag = args.oom_flag  # a simulated device's: allocations fail while it exists
         lc.llama_backend_init()
         if args.log_level != "debug":
             lc.llama_log_set(_ERRORS_ONLY_LOG, ctypes.c_void_p(0))
@@ -461,7 +467,25 @@ class Worker:
         for seq in [*self.active.values(), *self.waiting]:  # shutting down: leave no files
             self.close_job(seq)
 
+    def _refuse_new_sequences(self) -> None:
+        """On a simulated device out of memory (its flag file exists), fail the KV allocation
+        of each client sequence not yet in the cache, as ``llama_decode`` does when the
+        cache has no room; sequences already decoding keep their cells and go on."""
+        for seq in list(self.active.values()):
+            if seq.fed == 0 and seq.first_scored < 0 and not seq.rid.startswith("warmup"):
+                self.emit(
+                    {
+                        "ev": "err",
+                        "id": seq.rid,
+                        "code": "device_out_of_memory",
+                        "msg": "out of memory: no room on the device for the sequence's KV cache",
+                    }
+                )
+                self.release(seq)
+
     def step(self) -> None:
+        if self._oom_flag and os.path.exists(self._oom_flag):
+            self._refuse_new_sequences()
         batch, n = self.batch, 0
         outputs: list[tuple[int, Sequence]] = []
         scoring: list[tuple[int, Sequence]] = []
@@ -607,6 +631,7 @@ def _die_of(sig: signal.Signals) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="quantroute llama.cpp worker (internal)")
     parser.add_argument("--model", required=True)
+    parser.add_argument("--oom-flag", default="")
     parser.add_argument("--n-ctx", type=int, default=0)
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--n-threads", type=int, default=0)

@@ -11,8 +11,8 @@ two branches never count the same free bytes. Then, as workers come and go:
   estimate (the estimate stays where the driver hides the process);
 - on a simulated device the branch's bytes are attached while it is loaded
   and detached when it stops, so the device's used memory moves as a real
-  one's would; :meth:`admit` fails a request as an allocation would once
-  such a device is over its budget.
+  one's would; while such a device is over its budget, its out-of-memory flag is set after each
+  poll (:meth:`_on_snapshot`), so the workers on it fail their allocations themselves.
 
 Devices a branch may use, in order: simulated devices when there are any
 (tests and demos); else CUDA devices when the llama.cpp build can offload
@@ -44,6 +44,7 @@ from quantroute.telemetry.memory import (
 from quantroute.telemetry.placement import MarginPolicy, place
 from quantroute.telemetry.poller import DevicePoller
 from quantroute.telemetry.sim import SimDeviceProvider
+from quantroute.telemetry.snapshot import DeviceSnapshot
 from quantroute.telemetry.stats import DeviceKind, DeviceStats, InsufficientMemoryError
 from quantroute.types import Offload
 
@@ -73,6 +74,7 @@ class Placement:
     n_layer: int = 0
     n_gpu_layers: int = 0  # offloaded layers on a cuda device (-1: all)
     problem: str | None = None
+    oom_flag: str = ""  # on a simulated device: its out-of-memory flag file
 
     @property
     def gpu(self) -> int | None:
@@ -85,7 +87,7 @@ class Placement:
     def offload(self) -> Offload:
         """What the engine is told: the GPU and its layers, or the CPU."""
         gpu = self.gpu
-        return Offload(gpu, self.n_gpu_layers if gpu is not None else 0)
+        return Offload(gpu, self.n_gpu_layers if gpu is not None else 0, self.oom_flag)
 
 
 def partial_offload(footprint: Footprint, n_layer: int, layers: int) -> Footprint:
@@ -137,6 +139,8 @@ class Occupancy:
         self._sim = sim
         self._sim_weight_scale = sim_weight_scale
         self._placements: dict[str, Placement] = {}
+        if sim is not None:
+            poller.listeners.append(self._on_snapshot)
 
     @property
     def placements(self) -> Mapping[str, Placement]:
@@ -182,6 +186,7 @@ class Occupancy:
         devices = list(snapshot.devices)
         for request in branches:
             placement = self._place_one(request, devices)
+            placement = dataclasses.replace(placement, oom_flag=self._oom_flag(placement.device))
             self._placements[request.branch_id] = placement
             if placement.device is not None:
                 need = self.device_bytes(placement.footprint)
@@ -263,8 +268,13 @@ class Occupancy:
 
     def move(self, branch_id: str, device: str) -> None:
         self._placements[branch_id] = dataclasses.replace(
-            self._placements[branch_id], device=device
+            self._placements[branch_id], device=device, oom_flag=self._oom_flag(device)
         )
+
+    def _oom_flag(self, device: str | None) -> str:
+        if self._sim is None or device is None or device not in self._sim.device_ids:
+            return ""
+        return str(self._sim.oom_flag(device))
 
     # -- accounting -------------------------------------------------------------
 
@@ -313,14 +323,12 @@ class Occupancy:
             footprint.estimated_bytes >> 20,
         )
 
-    def admit(self, branch_id: str) -> bool:
-        """Whether a request may open on the branch now: false on a simulated device over
-        its budget, where a real one's allocation would fail."""
-        placement = self._placements.get(branch_id)
-        if self._sim is None or placement is None or placement.device is None:
-            return True
-        device = self._poller.snapshot.device(placement.device)
-        return device is None or self._margin.balance(device) >= 0
+    def _on_snapshot(self, snapshot: DeviceSnapshot) -> None:
+        """A simulated device over its budget is out of memory until it is within it again."""
+        assert self._sim is not None
+        for device in snapshot.devices:
+            if device.kind is DeviceKind.SIM:
+                self._sim.set_out_of_memory(device.id, self._margin.balance(device) < 0)
 
 
 def _reserve(device: DeviceStats, nbytes: int) -> DeviceStats:

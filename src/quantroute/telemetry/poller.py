@@ -87,6 +87,8 @@ class DevicePoller:
             taken_at=None, stale_after_s=self._stale_after_s, provider=provider.name
         )
         """The latest snapshot. Read it freely: it is replaced, never mutated."""
+        self.listeners: list[Callable[[DeviceSnapshot], None]] = []
+        """Called with each new snapshot, in the loop, before :meth:`poll_once` returns."""
 
     @property
     def interval_s(self) -> float:
@@ -124,6 +126,8 @@ class DevicePoller:
         self.snapshot = snapshot
         if self._health is not None:
             self._health.observe(snapshot.devices)
+        for listener in self.listeners:
+            listener(snapshot)
         return snapshot
 
     async def _run(self) -> None:

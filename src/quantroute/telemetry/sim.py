@@ -11,6 +11,12 @@ an operator into a JSON pressure file::
 The file is re-read whenever its modification time changes. Both sources add
 up. Every method is thread-safe.
 
+A simulated device runs out of memory where a real one does, inside the worker:
+:meth:`~SimDeviceProvider.set_out_of_memory` creates (or removes) the device's
+flag file (:meth:`~SimDeviceProvider.oom_flag`, in ``/dev/shm`` where there is
+one), and a worker told that path fails the KV allocation of each new sequence
+while it exists, as ``llama_decode`` does when the cache has no room.
+
 Spec strings: ``sim:2x24GiB`` (two 24 GiB devices), ``sim:1x8GiB,1x16GiB``,
 with optional ``;``-separated links: ``sim:4x80GiB;nvlink=0-1,2-3;default=sys``
 (NVLink between 0-1 and 2-3, every other pair SYS; the default default is PHB).
@@ -20,7 +26,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import shutil
+import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -124,6 +133,8 @@ class SimDeviceProvider:
         self._unhealthy: set[str] = set()
         self._failing_reads = 0
         self._closed = False
+        self._oom_dir: Path | None = None
+        self._out_of_memory: set[str] = set()
 
     @classmethod
     def from_spec(cls, spec: str, *, pressure_file: Path | None = None) -> SimDeviceProvider:
@@ -189,6 +200,31 @@ class SimDeviceProvider:
         with self._lock:
             self._check(device_id)
             return dict(self._attached[device_id])
+
+    def oom_flag(self, device_id: str) -> Path:
+        """The file that exists while ``device_id`` is out of memory (its directory is made
+        on first use and removed by :meth:`close`)."""
+        with self._lock:
+            self._check(device_id)
+            if self._oom_dir is None:
+                shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+                self._oom_dir = Path(tempfile.mkdtemp(prefix="quantroute-sim-", dir=shm))
+            return self._oom_dir / f"{device_id.replace(':', '_')}.oom"
+
+    def set_out_of_memory(self, device_id: str, out: bool) -> None:
+        """Make the allocations of workers on ``device_id`` fail (``True``) or succeed again."""
+        flag = self.oom_flag(device_id)
+        with self._lock:
+            if out == (device_id in self._out_of_memory):
+                return
+            if out:
+                flag.touch()
+                self._out_of_memory.add(device_id)
+            else:
+                flag.unlink(missing_ok=True)
+                self._out_of_memory.discard(device_id)
+        log = logger.warning if out else logger.info
+        log("%s: %s", device_id, "out of memory" if out else "within its budget again")
 
     def _refresh_pressure_file(self) -> None:
         path = self._pressure_file
@@ -258,3 +294,5 @@ class SimDeviceProvider:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            if self._oom_dir is not None:
+                shutil.rmtree(self._oom_dir, ignore_errors=True)
