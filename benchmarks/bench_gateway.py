@@ -56,7 +56,9 @@ branches = []
 for name in ("f16", "q8_0", "q4_k_m"):
     artifact = BranchArtifact("m", name, Precision(name), "fake", Path(f"/{name}.gguf"), "0" * 64,
                               0, name == "f16")
-    branches.append(Branch("m", name, Precision(name), artifact, FakeEngine(n_ctx=4096)))
+    engine = FakeEngine(n_ctx=4096)
+    engine.token_delay_s = float(sys.argv[2])
+    branches.append(Branch("m", name, Precision(name), artifact, engine))
 table = RouteTable.build([ModelRoute("m", "f16", tuple(branches))])
 settings = load_settings(telemetry={"devices": "sim:1x24GiB"}, server={"log_level": "warning"},
                          admission={"queue_size": 4096}, limits={"max_tokens": 4096})
@@ -137,31 +139,41 @@ async def rate_step(base: str, rate: float, seconds: float) -> dict[str, Any]:
 async def stream_cost(
     base: str, pid: int, streams: int, tokens: int, concurrency: int
 ) -> dict[str, Any]:
-    body = {"model": "m", "prompt": "x", "max_tokens": tokens, "stream": True, "quality": "fast"}
-    got = 0
+    body = {
+        "model": "m",
+        "prompt": "x",
+        "max_tokens": tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "quality": "fast",
+    }
+    got = chunks = 0
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=base, timeout=60) as c:
 
         async def one() -> None:
-            nonlocal got
+            nonlocal got, chunks
             async with sem, c.stream("POST", "/v1/completions", json=body) as r:
                 async for line in r.aiter_lines():
-                    # one chunk per token; the last (finish_reason, no text) is not one
-                    if (
-                        line.startswith("data: {")
-                        and '"text":"' in line
-                        and '"text":""' not in line
-                    ):
-                        got += 1
+                    if not line.startswith('data: {"'):
+                        continue
+                    # tokens counted by the usage chunk: a chunk carries several tokens
+                    # when the reader lagged behind the engine
+                    if '"usage":{' in line:
+                        got += json.loads(line[6:])["usage"]["completion_tokens"]
+                    elif '"text":""' not in line:
+                        chunks += 1
 
         await one()  # warm-up
-        got = 0
+        got = chunks = 0
         cpu0, t0 = cpu_seconds(pid), time.perf_counter()
         await asyncio.gather(*(one() for _ in range(streams)))
         cpu, wall = cpu_seconds(pid) - cpu0, time.perf_counter() - t0
     return {
         "streams": streams,
         "tokens": got,
+        "chunks": chunks,
+        "tokens_per_chunk": got / max(chunks, 1),
         "server_cpu_s": cpu,
         "wall_s": wall,
         "cpu_us_per_token": 1e6 * cpu / max(got, 1),
@@ -169,14 +181,15 @@ async def stream_cost(
     }
 
 
-def start_server(port: int) -> subprocess.Popen[bytes]:
+def start_server(port: int, token_delay_s: float = 0.0) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    return subprocess.Popen([sys.executable, "-c", SERVER, str(port)], env=env)
+    argv = [sys.executable, "-c", SERVER, str(port), str(token_delay_s)]
+    return subprocess.Popen(argv, env=env)
 
 
-async def main(
-    args: argparse.Namespace, proc: subprocess.Popen[bytes], port: int
-) -> dict[str, Any]:
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    port = free_port()
+    proc = start_server(port)
     base = f"http://127.0.0.1:{port}"
     try:
         await wait_ready(base)
@@ -190,22 +203,45 @@ async def main(
                 flush=True,
             )
         ok = [s for s in steps if s["p99_ms"] <= args.p99_ms and s["errors"] == 0]
-        cost = await stream_cost(base, proc.pid, args.streams, args.stream_tokens, args.concurrency)
-        print(
-            f"streamed {cost['tokens']} tokens: {cost['cpu_us_per_token']:.1f} us of server CPU "
-            f"per token ({cost['tokens_per_s']:.0f} tokens/s)",
-            flush=True,
+        burst = await stream_cost(
+            base, proc.pid, args.streams, args.stream_tokens, args.concurrency
         )
     finally:
         proc.terminate()
+        proc.wait(timeout=30)
+    report("burst (the engine is instant; the reader lags)", burst)
+    # Paced: a token every --token-ms per stream, as a decoding engine sends them, so the
+    # reader keeps up and each token is its own chunk: the per-token cost with no batching.
+    port = free_port()
+    proc = start_server(port, args.token_ms / 1000)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready(base)
+        paced = await stream_cost(
+            base, proc.pid, args.paced_streams, args.stream_tokens, args.paced_concurrency
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    report(f"paced (a token every {args.token_ms:g} ms per stream)", paced)
     return {
         "date": dt.date.today().isoformat(),
         "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
         "p99_bound_ms": args.p99_ms,
         "steps": steps,
         "highest_rate_within_bound": max((s["rate"] for s in ok), default=None),
-        "stream_cost": cost,
+        "stream_cost": burst,
+        "paced_stream_cost": paced | {"token_ms": args.token_ms},
     }
+
+
+def report(what: str, cost: dict[str, Any]) -> None:
+    print(
+        f"{what}: {cost['tokens']} tokens in {cost['chunks']} chunks, "
+        f"{cost['cpu_us_per_token']:.1f} us of server CPU per token "
+        f"({cost['tokens_per_s']:.0f} tokens/s)",
+        flush=True,
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -218,19 +254,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=40)
     p.add_argument("--stream-tokens", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--token-ms", type=float, default=2.0, help="the paced engine's token gap")
+    p.add_argument("--paced-streams", type=int, default=64)
+    p.add_argument("--paced-concurrency", type=int, default=16)
     p.add_argument("--markdown", action="store_true")
     return p.parse_args()
 
 
 if __name__ == "__main__":
     args = parse_args()
-    port = free_port()
-    server = start_server(port)
-    try:
-        result = asyncio.run(main(args, server, port))
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    result = asyncio.run(main(args))
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"gateway-{result['date']}.json"
     out.write_text(json.dumps(result, indent=1))

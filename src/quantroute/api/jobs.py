@@ -107,28 +107,51 @@ class Run:
         self, keepalive_s: float | None = None
     ) -> AsyncIterator[tuple[int, EngineEvent] | Tick]:
         """Every choice's events, interleaved as they come; ``Tick`` when idle."""
+        async for batch in self.batches(keepalive_s):
+            if isinstance(batch, Tick):
+                yield batch
+            else:
+                for item in batch:
+                    yield item
+
+    async def batches(
+        self, keepalive_s: float | None = None
+    ) -> AsyncIterator[list[tuple[int, EngineEvent]] | Tick]:
+        """Like :meth:`events`, but each time every event that is ready, in order: one
+        when the reader keeps up, more when it lags (so it can write them at once)."""
         self._pumps = [
             asyncio.create_task(self._pump(i, s), name=f"pump:{self.job.id}:{i}")
             for i, s in enumerate(self._streams)
         ]
         remaining = len(self._pumps)
+        queue = self._queue
         try:
             while remaining:
-                if not self._queue.empty():
-                    item = self._queue.get_nowait()  # the common case: no timer, no task
-                else:
+                if queue.empty():
                     try:
-                        item = await asyncio.wait_for(self._queue.get(), keepalive_s)
+                        first = await asyncio.wait_for(queue.get(), keepalive_s)
                     except TimeoutError:
                         yield Tick()
                         continue
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
                 else:
-                    self._room.release()
-                    yield item
+                    first = queue.get_nowait()  # the common case: no timer, no task
+                batch: list[tuple[int, EngineEvent]] = []
+                item = first
+                while True:
+                    if item is None:
+                        remaining -= 1
+                    elif isinstance(item, BaseException):
+                        if batch:
+                            yield batch  # what came before the error still goes out
+                        raise item
+                    else:
+                        self._room.release()
+                        batch.append(item)
+                    if queue.empty():
+                        break
+                    item = queue.get_nowait()
+                if batch:
+                    yield batch
         finally:
             await self.close()
 
@@ -150,14 +173,17 @@ class Run:
         self._queue.put_nowait(None)
 
     async def _emit(self, index: int, event: EngineEvent, tokens: list[int]) -> None:
-        try:
-            async with asyncio.timeout(self._stall_timeout_s):
-                await self._room.acquire()
-            self._queue.put_nowait((index, event))
-        except TimeoutError as exc:
-            raise ReaderStalledError(
-                f"the client read nothing for {self._stall_timeout_s:g} s; the stream was cut"
-            ) from exc
+        if self._room.locked():  # the reader is behind: wait, but not forever
+            try:
+                async with asyncio.timeout(self._stall_timeout_s):
+                    await self._room.acquire()
+            except TimeoutError as exc:
+                raise ReaderStalledError(
+                    f"the client read nothing for {self._stall_timeout_s:g} s; the stream was cut"
+                ) from exc
+        else:  # the common case: room now, so no timer
+            await self._room.acquire()
+        self._queue.put_nowait((index, event))
         if isinstance(event, FinishEvent):
             self._finished += 1
             self.usage_tokens += event.prompt_tokens + event.completion_tokens

@@ -111,17 +111,36 @@ class ResponseRenderer:
         ]
 
     def chunk(self, index: int, event: TokenEvent | FinishEvent) -> dict[str, Any] | None:
-        text, entry = self._record(index, event)
-        finish = event.reason.value if isinstance(event, FinishEvent) else None
-        if not text and entry is None and finish is None:
+        if isinstance(event, FinishEvent):
+            text, _ = self._record(index, event)
+            return self._text_chunk(index, text, [], event.reason.value)
+        return self.tokens_chunk(index, [event])
+
+    def tokens_chunk(self, index: int, events: list[TokenEvent]) -> dict[str, Any] | None:
+        """One chunk for consecutive tokens of choice ``index`` (several when the reader
+        lagged): their text joined, their logprob entries in order."""
+        texts: list[str] = []
+        entries: list[dict[str, Any]] = []
+        for event in events:
+            text, entry = self._record(index, event)
+            texts.append(text)
+            if entry is not None:
+                entries.append(entry)
+        return self._text_chunk(index, "".join(texts), entries, None)
+
+    def _text_chunk(
+        self, index: int, text: str, entries: list[dict[str, Any]], finish: str | None
+    ) -> dict[str, Any] | None:
+        if not text and not entries and finish is None:
             return None  # held back (a possible stop sequence, or a partial character)
         if self.chat:
-            logprobs = {"content": [entry]} if entry is not None else None
+            logprobs = {"content": entries} if entries else None
             return self._chunk(
                 index, {"content": text} if text or not finish else {}, logprobs, finish
             )
-        logprobs = self._completion_logprobs([entry]) if entry is not None else None
-        return self._chunk(index, text, logprobs, finish)
+        return self._chunk(
+            index, text, self._completion_logprobs(entries) if entries else None, finish
+        )
 
     def _chunk(self, index: int, delta: Any, logprobs: Any, finish: str | None) -> dict[str, Any]:
         if self.chat:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from quantroute.api.jobs import Run, Tick
 from quantroute.api.render import ResponseRenderer
-from quantroute.engines.base import StartEvent
+from quantroute.engines.base import EngineEvent, FinishEvent, TokenEvent
 from quantroute.errors import QuantrouteError
 from quantroute.resilience.resume import Stream
 
@@ -42,14 +42,10 @@ async def payloads(run: Run) -> AsyncIterator[bytes]:
     try:
         for chunk in renderer.first_chunks():
             yield encode(chunk)
-        async for item in run.events():
-            if isinstance(item, Tick):
+        async for batch in run.batches():
+            if isinstance(batch, Tick):
                 continue
-            index, event = item
-            if isinstance(event, StartEvent):
-                continue
-            body = renderer.chunk(index, event)
-            if body is not None:
+            for body in _chunks(renderer, batch):
                 yield encode(body)
         if run.job.include_usage:
             yield encode(renderer.usage_chunk())
@@ -62,6 +58,31 @@ async def payloads(run: Run) -> AsyncIterator[bytes]:
         yield encode(QuantrouteError("internal error while streaming").to_openai())
 
 
+def _chunks(
+    renderer: ResponseRenderer, batch: list[tuple[int, EngineEvent]]
+) -> Iterator[dict[str, Any]]:
+    """The chunks of a batch of events: consecutive tokens of one choice make one chunk."""
+    tokens: list[TokenEvent] = []
+    at = -1
+    for index, event in batch:
+        if tokens and (index != at or not isinstance(event, TokenEvent)):
+            body = renderer.tokens_chunk(at, tokens)
+            tokens = []
+            if body is not None:
+                yield body
+        if isinstance(event, TokenEvent):
+            tokens.append(event)
+            at = index
+        elif isinstance(event, FinishEvent):
+            body = renderer.chunk(index, event)
+            if body is not None:
+                yield body
+    if tokens:
+        body = renderer.tokens_chunk(at, tokens)
+        if body is not None:
+            yield body
+
+
 def frame(key: str, seq: int, data: bytes, *, retry: bool = False) -> bytes:
     """One SSE event: ``[retry: MS\\n]id: KEY/SEQ\\ndata: DATA\\n\\n``."""
     head = b"retry: %d\n" % RETRY_MS if retry else b""
@@ -72,12 +93,15 @@ async def sse_stream(stream: Stream, after: int | None, keepalive_s: float) -> A
     """The wire bytes of ``stream`` from the event after ``after`` (``None``: all) on."""
     first = True
     try:
-        async for item in stream.follow(after, keepalive_s):
-            if item is None:
+        async for batch in stream.follow_batches(after, keepalive_s):
+            if batch is None:
                 yield KEEPALIVE
                 continue
-            seq, data = item
-            yield frame(stream.key, seq, data, retry=first)
+            frames = [
+                frame(stream.key, seq, data, retry=first and i == 0)
+                for i, (seq, data) in enumerate(batch)
+            ]
             first = False
+            yield frames[0] if len(frames) == 1 else b"".join(frames)
     except QuantrouteError as exc:  # this client fell behind what the stream keeps
         yield b"data: " + encode(exc.to_openai()) + b"\n\n"

@@ -71,7 +71,7 @@ class Stream:
         self.done = False
         self.ended_at: float | None = None  # loop time of the end
         self._events: deque[bytes] = deque(maxlen=max_events)
-        self._wake = asyncio.Event()  # replaced on each append: watchers wait on it
+        self._waiters: list[asyncio.Future[None]] = []  # watchers waiting for an event
         # The producer stays this many events ahead of the slowest reader at most; the rest
         # of the window keeps events that were in flight when a client dropped.
         self._ahead = max(1, max_events - max_events // 8)
@@ -114,23 +114,38 @@ class Stream:
             return
         self._events.append(data)
         self.next_seq += 1
-        self._wake.set()
-        self._wake = asyncio.Event()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def end(self, now: float) -> None:
         self.done = True
         self.ended_at = now
         self._cancel_reaper()
-        self._wake.set()
+        self._wake()
 
     async def follow(
         self, after: int | None, keepalive_s: float | None = None
     ) -> AsyncGenerator[tuple[int, bytes] | None, None]:
         """``(seq, data)`` of every event after ``after`` (``None``: from the first), live
         ones as they come, until the end; ``None`` after ``keepalive_s`` idle."""
+        async for batch in self.follow_batches(after, keepalive_s, max_batch=1):
+            yield None if batch is None else batch[0]
+
+    async def follow_batches(
+        self, after: int | None, keepalive_s: float | None = None, *, max_batch: int = 1 << 30
+    ) -> AsyncGenerator[list[tuple[int, bytes]] | None, None]:
+        """Like :meth:`follow`, but the events kept and not yet seen (up to ``max_batch``) at
+        once: one when the reader keeps up, more when it lags or resumes (so they are
+        written together)."""
         seq = 0 if after is None else after + 1
         cursor = [seq]
         self._attach(cursor)
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 if seq < self.first_seq:  # this watcher fell behind what is kept
@@ -139,18 +154,33 @@ class Stream:
                         code="stream_events_gone",
                     )
                 if seq < self.next_seq:
-                    yield seq, self._events[seq - self.first_seq]
-                    seq += 1
+                    # handed out, the batch counts as read once the reader asks for more
                     cursor[0] = seq
                     self._moved.set()
+                    first = self.first_seq
+                    end = min(self.next_seq, seq + max_batch)
+                    batch = [(s, self._events[s - first]) for s in range(seq, end)]
+                    seq = end
+                    yield batch
                     continue
+                if cursor[0] != seq:
+                    cursor[0] = seq
+                    self._moved.set()
                 if self.done:
                     return
-                wake = self._wake
+                # Wait for the next event: a future, not a task per wait (the hot path).
+                waiter: asyncio.Future[None] = loop.create_future()
+                self._waiters.append(waiter)
+                timer = None
+                if keepalive_s is not None:
+                    timer = loop.call_later(keepalive_s, _time_out, waiter)
                 try:
-                    await asyncio.wait_for(wake.wait(), keepalive_s)
+                    await waiter
                 except TimeoutError:
                     yield None
+                finally:
+                    if timer is not None:
+                        timer.cancel()
         finally:
             self._detach(cursor)  # sync: this may run inside a cancelled scope
 
@@ -322,3 +352,8 @@ class StreamStore:
             stream._cancel_reaper()
             if stream._expiry is not None:
                 stream._expiry.cancel()
+
+
+def _time_out(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())

@@ -1,0 +1,68 @@
+"""A reader that lags behind the engine gets the tokens that piled up in one chunk (one
+SSE write), with nothing lost: the text, the usage and one logprob entry per token."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qrtest import fake_app, serving
+from quantroute.api.render import ResponseRenderer
+from quantroute.api.sse import _chunks
+from quantroute.engines.base import FinishEvent, FinishReason, TokenEvent
+
+
+def _data(body: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_piled_up_tokens_go_out_together_and_add_up(chat: bool) -> None:
+    async with serving(fake_app()) as (http, _):
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        prompt = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+        logprobs = {"logprobs": True} if chat else {"logprobs": 0}
+        body = {"model": "tiny-llama:q4_k_m", "max_tokens": 64} | logprobs | prompt
+        whole = (await http.post(path, json=body)).json()
+        r = await http.post(
+            path, json=body | {"stream": True, "stream_options": {"include_usage": True}}
+        )
+        assert r.status_code == 200
+        events = _data(r.text)
+        usage = events[-1]["usage"]
+        chunks = [e["choices"][0] for e in events if e["choices"]]
+        if chat:
+            text = "".join(c["delta"].get("content", "") for c in chunks)
+            entries = [x for c in chunks if c["logprobs"] for x in c["logprobs"]["content"]]
+            expected = whole["choices"][0]["message"]["content"]
+        else:
+            text = "".join(c["text"] for c in chunks)
+            entries = [x for c in chunks if c["logprobs"] for x in c["logprobs"]["tokens"]]
+            expected = whole["choices"][0]["text"]
+        assert text == expected and usage["completion_tokens"] == 64 == len(entries)
+        # the in-process transport reads only at the end: the tokens piled up
+        assert len([c for c in chunks if c["finish_reason"] is None]) < 64
+        ids = [line for line in r.text.splitlines() if line.startswith("id: ")]
+        assert len(ids) == len(events) + 1  # every event keeps its own id ([DONE] too)
+
+
+class _FakeRun:
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.job = SimpleNamespace(
+            id="j", kind="completion", requests=[0, 1], include_usage=False, n=1
+        )
+        self.branch = SimpleNamespace(id="m:q4_k_m", artifact=SimpleNamespace(sha256="0" * 64))
+        self.prompt_tokens = [1, 1]
+
+
+def test_a_batch_groups_only_consecutive_tokens_of_one_choice() -> None:
+    renderer = ResponseRenderer(_FakeRun())  # type: ignore[arg-type]
+    tok = [TokenEvent(c, ord(c)) for c in "abcd"]
+    batch = [(0, tok[0]), (0, tok[1]), (1, tok[2]), (0, tok[3])]
+    batch.append((0, FinishEvent(FinishReason.LENGTH, 1, 3)))
+    out = [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in _chunks(renderer, batch)]
+    assert out == [(0, "ab"), (1, "c"), (0, "d"), (0, "")]
+    assert [c.completion_tokens for c in renderer.choices] == [3, 1]
