@@ -12,7 +12,14 @@ The load generator is this process, over real loopback sockets.
    figure. Latency here is all added latency: the engine costs nothing.
 2. **CPU per streamed token.** ``--streams`` streamed completions of
    ``--stream-tokens`` tokens each, ``--concurrency`` at a time; the server
-   process's CPU time (user + system, from /proc) over the tokens it streamed.
+   process's CPU time (user + system, from /proc) over the tokens it streamed,
+   counted by each stream's usage chunk (the same rule for every server).
+   *Burst*: the fake engine is instant, so the reader lags and the tokens that
+   pile up go out together (fewer chunks than tokens; the count is reported).
+   *Paced*: the fake engine sends a token every ``--token-ms`` per stream, as a
+   decoding engine does, so each token is its own chunk and write. *Floor*: a
+   bare ASGI app under the same uvicorn streaming the same events on the same
+   timer: what one SSE event per token costs with no gateway at all.
 
 On a 2-core machine the load generator shares the CPU with the server, so the
 rate is a floor of what a dedicated client would see; the CPU figure is the
@@ -64,6 +71,42 @@ settings = load_settings(telemetry={"devices": "sim:1x24GiB"}, server={"log_leve
                          admission={"queue_size": 4096}, limits={"max_tokens": 4096})
 uvicorn.run(create_app(settings, table=table), host="127.0.0.1", port=int(sys.argv[1]),
             log_level="warning", access_log=False)
+"""
+
+# The floor under the paced figure: a bare ASGI app under the same uvicorn that streams the
+# same SSE events on the same timer, with no routing, no run, no stream store.
+BARE = r"""
+import asyncio, json, sys, uvicorn
+DELAY = float(sys.argv[2])
+CHUNK = {"id": "cmpl-x", "object": "text_completion", "created": 1, "model": "m:q4_k_m",
+         "choices": [{"index": 0, "text": "a", "logprobs": None, "finish_reason": None}]}
+async def app(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while True:
+            m = await receive()
+            await send({"type": m["type"] + ".complete"})
+            if m["type"] == "lifespan.shutdown":
+                return
+    body = b""
+    while True:
+        m = await receive()
+        body += m.get("body", b"")
+        if not m.get("more_body"):
+            break
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")]})
+    if scope["path"] != "/v1/completions":
+        await send({"type": "http.response.body", "body": b"{}"})
+        return
+    n = json.loads(body)["max_tokens"]
+    for i in range(n):
+        await asyncio.sleep(DELAY)
+        data = json.dumps(CHUNK, separators=(",", ":")).encode()
+        await send({"type": "http.response.body", "body": b"id: x/%d\ndata: " % i + data
+                    + b"\n\n", "more_body": True})
+    usage = b'data: {"choices":[],"usage":{"completion_tokens":%d}}\n\ndata: [DONE]\n\n' % n
+    await send({"type": "http.response.body", "body": usage})
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False)
 """
 
 
@@ -181,9 +224,11 @@ async def stream_cost(
     }
 
 
-def start_server(port: int, token_delay_s: float = 0.0) -> subprocess.Popen[bytes]:
+def start_server(
+    port: int, token_delay_s: float = 0.0, *, bare: bool = False
+) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    argv = [sys.executable, "-c", SERVER, str(port), str(token_delay_s)]
+    argv = [sys.executable, "-c", BARE if bare else SERVER, str(port), str(token_delay_s)]
     return subprocess.Popen(argv, env=env)
 
 
@@ -224,6 +269,18 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         proc.terminate()
         proc.wait(timeout=30)
     report(f"paced (a token every {args.token_ms:g} ms per stream)", paced)
+    port = free_port()
+    proc = start_server(port, args.token_ms / 1000, bare=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready(base)
+        floor = await stream_cost(
+            base, proc.pid, args.paced_streams, args.stream_tokens, args.paced_concurrency
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    report("floor (a bare ASGI app, same uvicorn, same timer and events)", floor)
     return {
         "date": dt.date.today().isoformat(),
         "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
@@ -232,6 +289,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "highest_rate_within_bound": max((s["rate"] for s in ok), default=None),
         "stream_cost": burst,
         "paced_stream_cost": paced | {"token_ms": args.token_ms},
+        "paced_floor": floor | {"token_ms": args.token_ms},
     }
 
 
