@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -73,6 +75,32 @@ async def serving(app: FastAPI) -> AsyncIterator[tuple[httpx.AsyncClient, Gatewa
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://qr", timeout=60) as c:
             yield c, app.state.gateway
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextlib.asynccontextmanager
+async def live(app: FastAPI) -> AsyncIterator[int]:
+    """The app under uvicorn in this event loop, on a real loopback socket: its port."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical", lifespan="on")
+    )
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:  # noqa: ASYNC110 (uvicorn has no event to wait on)
+            await asyncio.sleep(0.01)
+        yield port
+    finally:
+        server.should_exit = True
+        await task
 
 
 async def set_headroom(client: httpx.AsyncClient, gateway: Gateway, headroom: int) -> None:

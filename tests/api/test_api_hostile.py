@@ -10,23 +10,19 @@ echoed (``check_answer``, shared with the property tests).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import json
 import shutil
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 import pytest_asyncio
-import uvicorn
-from fastapi import FastAPI
 
 # The answer checks are the property tests' (tests/ is on the path; tests/api is not).
 from api.test_api_properties import HEADER_MARK, MARK, check_answer, post_json
-from qrtest import demo_model_dir, fake_app, fake_table, serving
+from qrtest import demo_model_dir, fake_app, fake_table, live, serving
 from quantroute.api.app import create_app
 from quantroute.api.errors import InternalErrorMiddleware
 from quantroute.api.schemas import MAX_JSON_DEPTH
@@ -349,29 +345,6 @@ async def test_a_deadline_too_short_to_meet_is_not_the_branchs_failure() -> None
 # ---- a 500 keeps the connection ----------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@contextlib.asynccontextmanager
-async def _uvicorn(app: FastAPI) -> AsyncIterator[int]:
-    port = _free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical", lifespan="on")
-    )
-    task = asyncio.create_task(server.serve())
-    try:
-        while not server.started:  # noqa: ASYNC110 (uvicorn has no event to wait on)
-            await asyncio.sleep(0.01)
-        yield port
-    finally:
-        server.should_exit = True
-        await task
-
-
 async def _exchange(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
 ) -> tuple[int, dict[str, str], bytes]:
@@ -392,7 +365,7 @@ async def test_an_unexpected_error_is_a_500_body_and_the_connection_stays_open()
         raise RuntimeError(f"a bug, with {MARK} in its message")
 
     app.add_api_route("/boom", boom)
-    async with _uvicorn(app) as port:
+    async with live(app) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
             get = b"GET %s HTTP/1.1\r\nhost: qr\r\n\r\n"

@@ -172,14 +172,30 @@ class Service:
             raise RateLimitError(
                 f"this key is over its {limit.replace('_', ' ')} limit", retry_after_s=retry_s
             )
+        stamp = gateway.limits.started(tenant)  # counted now: no wait since the check
+        try:
+            return await self._admit(req, headers, tenant, route.name)
+        except BaseException:
+            gateway.limits.withdrawn(tenant, stamp)
+            raise
+
+    async def _admit(
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        headers: Mapping[str, str],
+        tenant: Tenant,
+        model: str,
+    ) -> Job:
+        """The model's admission queue, routing and the engine requests of ``prepare``."""
+        gateway = self._gateway
         # parsed here, for pinned requests too: a malformed header is a 400 either way, and
         # the deadline bounds the queue, the first token and the generation
         requirement, shape = self._routing_inputs(req, headers)
         ms = requirement.deadline_ms
         deadline = None if ms is None else time.monotonic() + ms / 1000.0
         ticket = await gateway.admission.enter(
-            route.name,
-            capacity=gateway.capacity(route.name),
+            model,
+            capacity=gateway.capacity(model),
             priority=tenant.priority + (req.priority or 0),
             tenant=tenant.name,
             deadline=deadline,
@@ -211,7 +227,6 @@ class Service:
         except BaseException:
             ticket.release()
             raise
-        gateway.limits.started(tenant)
         return job
 
     def abandon(self, job: Job, tokens: int = 0) -> None:

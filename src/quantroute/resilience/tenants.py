@@ -20,6 +20,7 @@ whether one more may start, and when to retry if not.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import time
@@ -171,11 +172,23 @@ class TenantLimits:
             return "tokens_per_minute", max(0.0, usage.tokens[0][0] + self._window_s - now)
         return None
 
-    def started(self, tenant: Tenant, now: float | None = None) -> None:
+    def started(self, tenant: Tenant, now: float | None = None) -> float:
+        """Count one request from now on (in flight, and in the minute); returns its stamp.
+        Call it right after :meth:`check`, with no wait between, so that requests checked
+        together cannot pass a limit together."""
         now = time.monotonic() if now is None else now
         usage = self._get(tenant, now)
         usage.requests.append(now)
         usage.in_flight += 1
+        return now
+
+    def withdrawn(self, tenant: Tenant, stamp: float) -> None:
+        """A request counted by :meth:`started` never ran (refused or left while queued):
+        it uses none of the tenant's limits."""
+        usage = self._get(tenant, time.monotonic())
+        usage.in_flight = max(0, usage.in_flight - 1)
+        with contextlib.suppress(ValueError):
+            usage.requests.remove(stamp)
 
     def finished(self, tenant: Tenant, tokens: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
