@@ -243,6 +243,10 @@ class Service:
         """The body of ``GET /v1/models``: the models ``tenant`` may use."""
         return views.models_json(self._gateway, tenant)
 
+    def model(self, model_id: str, tenant: Tenant = OPEN) -> dict[str, Any]:
+        """The body of ``GET /v1/models/{id}``: a model, or a pinned branch (``model:branch``)."""
+        return views.model_json(self._gateway, model_id, tenant)
+
     def devices(self) -> dict[str, Any]:
         """The body of ``GET /v1/devices``."""
         return views.devices_json(self._gateway)
