@@ -210,12 +210,16 @@ class ToolCallStream:
     parallel: bool = True
     calls: list[ParsedCall] = field(default_factory=list)
     _held: str = ""
+    _after_call: bool = False  # newlines right after a call separate calls: not content
 
     def feed(self, piece: str) -> tuple[str, list[ParsedCall]]:
         text = self._held + piece
         content: list[str] = []
         new: list[ParsedCall] = []
         while True:
+            if self._after_call:
+                text = text.lstrip("\n")
+                self._after_call = not text
             start = text.find(TOOL_CALL_OPEN)
             if start < 0:
                 keep = _partial_suffix(text, TOOL_CALL_OPEN)
@@ -235,9 +239,8 @@ class ToolCallStream:
             elif self.parallel or not self.calls:
                 self.calls.append(call)
                 new.append(call)
-            text = text[end + len(TOOL_CALL_CLOSE) :].lstrip("\n") if call else text[end:]
-            if call is None:
-                text = text[len(TOOL_CALL_CLOSE) :]
+            self._after_call = call is not None
+            text = text[end + len(TOOL_CALL_CLOSE) :]
         return "".join(content), new
 
     def flush(self) -> str:
