@@ -99,7 +99,7 @@ def test_a_two_turn_tool_conversation(client: openai.OpenAI, stream: bool) -> No
                 }
                 for c in choice.message.tool_calls
             ],
-        },  # fmt: skip
+        },
         {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
     ]
     second = create(model="tiny-llama", messages=messages, tools=tools, max_tokens=16, seed=1)
