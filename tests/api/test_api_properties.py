@@ -132,7 +132,7 @@ TEXT = st.one_of(st.text(max_size=40), marked_text())
 STOP = st.text(min_size=1, max_size=20).map(lambda t: t + MARK)
 MESSAGE = st.fixed_dictionaries(
     {
-        "role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]),
+        "role": st.sampled_from(["system", "developer", "user", "assistant"]),
         "content": st.one_of(
             TEXT,
             st.lists(
@@ -164,8 +164,17 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     "ignore_eos": st.booleans(),
     "quality": QUALITY,
     "timeout": st.floats(0.001, 3600),
-    "presence_penalty": st.just(0.0),
-    "frequency_penalty": st.just(0.0),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.01, 10),
+    "min_p": st.floats(0, 1),
+    "response_format": st.sampled_from(
+        [
+            {"type": "text"},
+            {"type": "json_object"},
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "boolean"}}},
+        ]
+    ),
 }
 # Near misses: the right type just out of bounds, or a value that only looks right.
 NEAR: dict[str, st.SearchStrategy[Any]] = {
@@ -186,7 +195,12 @@ NEAR: dict[str, st.SearchStrategy[Any]] = {
             max_size=3,
         ),
     ),
-    "prompt": st.one_of(st.just([]), st.lists(st.integers(0, 9), min_size=1)),
+    "prompt": st.one_of(
+        st.just([]),
+        st.just([[]]),
+        st.lists(st.one_of(st.integers(max_value=-1), HUGE_INTS), min_size=1),
+        st.lists(st.integers(10**6, 2**31 - 1), min_size=1, max_size=3),  # out of vocabulary
+    ),
     "max_tokens": st.one_of(st.sampled_from([0, -1, 65, 4097]), HUGE_INTS),
     "temperature": st.one_of(
         st.sampled_from([-5e-324, 2.0000000001, 1e308]), HUGE_INTS, st.floats()
@@ -213,7 +227,26 @@ NEAR: dict[str, st.SearchStrategy[Any]] = {
     "timeout": st.one_of(
         st.sampled_from([0, 0.0009, 3601, 1e-320]), HUGE_INTS, st.floats(), marked_text()
     ),
-    "presence_penalty": st.one_of(st.floats(-2, 2).filter(bool), st.just(2.5)),
+    "presence_penalty": st.one_of(st.sampled_from([2.5, -2.01]), HUGE_INTS, st.floats()),
+    "repetition_penalty": st.one_of(st.sampled_from([0, -1, 10.5]), HUGE_INTS, st.floats()),
+    "min_p": st.one_of(st.sampled_from([-0.1, 1.5]), HUGE_INTS, st.floats()),
+    "min_tokens": st.one_of(st.sampled_from([-1, 65]), HUGE_INTS),
+    "response_format": st.one_of(
+        HOSTILE,
+        st.sampled_from(
+            [
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"minimum": 1}}},
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"oneOf": []}}},
+                {"type": "json_schema", "json_schema": {"schema": {}}},
+                {"type": "xml"},
+            ]
+        ),
+    ),
+    "tool_choice": st.one_of(
+        st.sampled_from(["required", "any", {"type": "function", "function": {"name": "f"}}]),
+        HOSTILE,
+    ),
+    "tools": st.one_of(st.just([]), HOSTILE),
     "max_completion_tokens": st.one_of(st.sampled_from([0, 65]), HUGE_INTS),
     "top_logprobs": st.sampled_from([-1, 21, 5]),
     "logprobs": st.one_of(st.sampled_from([6, -1]), HUGE_INTS),
@@ -390,6 +423,14 @@ async def test_pressure_never_500_nor_echo(
 @given(branch=PATH_TEXT)
 async def test_restart_never_500_nor_echo(client: httpx.AsyncClient, branch: str) -> None:
     check_answer(await client.post(f"/admin/branches/{_quoted(branch)}/restart", headers=ADMIN))
+
+
+@settings(EXAMPLES, max_examples=60)
+@given(model=st.one_of(MODELS, marked_text()))
+async def test_model_retrieval_never_500_nor_echo(client: httpx.AsyncClient, model: str) -> None:
+    r = await client.get(f"/v1/models/{_quoted(model)}")
+    check_answer(r)
+    assert r.status_code in (200, 404)
 
 
 @settings(EXAMPLES, max_examples=60)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
+from quantroute.api.structured import grammar_of
 from quantroute.engines.base import (
     EngineEvent,
     FinishEvent,
@@ -53,6 +54,8 @@ class Job:
     deadline: float | None = None  # monotonic seconds; bounds the wait for the first token
     tenant: Tenant = OPEN
     ticket: Ticket | None = None  # its place among the model's running requests
+    tools: bool = False  # read tool calls out of the replies (api/tools.py)
+    parallel_tool_calls: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +266,12 @@ def build_job(
         logit_bias=req.bias,
         ignore_eos=req.ignore_eos,
         deadline=deadline,
+        min_p=req.min_p,
+        min_tokens=req.min_tokens,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        grammar=grammar_of(req),
     )
     kind: Kind
     if isinstance(req, ChatCompletionRequest):
@@ -277,6 +286,7 @@ def build_job(
             top_logprobs=req.top_logprobs or 0,
         )
         prompts = [prompt.text] * req.n
+        ids = []
         special = prompt.template == "model"
         kind = "chat"
         logprobs = req.logprobs
@@ -289,6 +299,7 @@ def build_job(
             top_logprobs=req.logprobs or 0,
         )
         prompts = [p for p in req.prompts for _ in range(req.n)]
+        ids = [tuple(p) for p in req.token_prompts or () for _ in range(req.n)]
         special = False
         kind = "completion"
         logprobs = req.logprobs is not None
@@ -298,9 +309,11 @@ def build_job(
             text,
             sampling if seed is None else replace(sampling, seed=(seed + i) & _SEED_MASK),
             parse_special=special,
+            prompt_ids=ids[i] if ids else None,
         )
         for i, text in enumerate(prompts)
     )
+    chat_tools = isinstance(req, ChatCompletionRequest) and bool(req.active_tools)
     return Job(
         job_id,
         kind,
@@ -314,4 +327,6 @@ def build_job(
         deadline,
         tenant,
         ticket,
+        tools=chat_tools,
+        parallel_tool_calls=getattr(req, "parallel_tool_calls", True),
     )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quantroute.api.jobs import Run
+from quantroute.api.tools import ToolCallStream, split_calls
 from quantroute.engines.base import FinishEvent, TokenEvent
 
 
@@ -18,6 +19,7 @@ class _Choice:
     offset: int = 0
     finish_reason: str | None = None
     completion_tokens: int = 0
+    tools: ToolCallStream | None = None  # a streamed chat reply's tool calls
 
 
 class ResponseRenderer:
@@ -30,6 +32,7 @@ class ResponseRenderer:
         self.created = int(time.time())
         self.model = run.branch.id
         self.choices = [_Choice() for _ in run.job.requests]
+        self.tools = self.chat and run.job.tools  # read tool calls out of the replies
 
     # -- shared ---------------------------------------------------------------
 
@@ -131,6 +134,8 @@ class ResponseRenderer:
     def _text_chunk(
         self, index: int, text: str, entries: list[dict[str, Any]], finish: str | None
     ) -> dict[str, Any] | None:
+        if self.tools:
+            return self._tool_chunk(index, text, entries, finish)
         if not text and not entries and finish is None:
             return None  # held back (a possible stop sequence, or a partial character)
         if self.chat:
@@ -141,6 +146,28 @@ class ResponseRenderer:
         return self._chunk(
             index, text, self._completion_logprobs(entries) if entries else None, finish
         )
+
+    def _tool_chunk(
+        self, index: int, text: str, entries: list[dict[str, Any]], finish: str | None
+    ) -> dict[str, Any] | None:
+        """A chat chunk with tools: content outside ``<tool_call>`` blocks, and each call
+        as one ``delta.tool_calls`` entry once its block is complete."""
+        choice = self.choices[index]
+        if choice.tools is None:
+            choice.tools = ToolCallStream(self.run.job.parallel_tool_calls)
+        stream = choice.tools
+        before = len(stream.calls)
+        content, calls = stream.feed(text)
+        if finish is not None:
+            content += stream.flush()
+            finish = _finish_with_calls(finish, bool(stream.calls))
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [c.to_openai(before + k) for k, c in enumerate(calls)]
+        if not delta and not entries and finish is None:
+            return None
+        logprobs = {"content": entries} if entries else None
+        return self._chunk(index, delta, logprobs, finish)
 
     def _chunk(self, index: int, delta: Any, logprobs: Any, finish: str | None) -> dict[str, Any]:
         if self.chat:
@@ -168,12 +195,20 @@ class ResponseRenderer:
             text = "".join(c.text)
             if self.chat:
                 logprobs = {"content": c.logprobs} if self.run.job.logprobs else None
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                finish = c.finish_reason
+                if self.tools:
+                    content, calls = split_calls(text, parallel=self.run.job.parallel_tool_calls)
+                    if calls:
+                        message["content"] = content.strip() or None
+                        message["tool_calls"] = [call.to_openai() for call in calls]
+                        finish = _finish_with_calls(finish, True)
                 choices.append(
                     {
                         "index": i,
-                        "message": {"role": "assistant", "content": text},
+                        "message": message,
                         "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": finish,
                     }
                 )
             else:
@@ -188,3 +223,9 @@ class ResponseRenderer:
                 )
         obj = "chat.completion" if self.chat else "text_completion"
         return self._head(obj) | {"choices": choices, "usage": self.usage()}
+
+
+def _finish_with_calls(finish: str | None, calls: bool) -> str | None:
+    """A reply that made tool calls ends ``tool_calls`` (unless the client left, or its
+    deadline cut it)."""
+    return "tool_calls" if calls and finish in ("stop", "length") else finish

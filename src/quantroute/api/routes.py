@@ -169,6 +169,12 @@ async def models(request: Request, tenant: Client) -> dict[str, Any]:
     return _service(request).models(tenant)
 
 
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str, tenant: Client) -> dict[str, Any]:
+    """One model or pinned branch, as in ``/v1/models``; 404 when unknown."""
+    return _service(request).model(model_id, tenant)
+
+
 @router.get("/metrics", dependencies=[Depends(require_key_if("protect_metrics"))])
 async def metrics(request: Request) -> Response:
     """Prometheus metrics of branches and devices (text exposition format)."""

@@ -16,8 +16,18 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from quantroute.api.structured import ResponseFormat
+from quantroute.api.tools import NamedToolChoice, Tool, ToolCallIn
 from quantroute.config import LimitSettings
 from quantroute.errors import InvalidRequestError
 
@@ -29,6 +39,7 @@ __all__ = [
     "StreamOptions",
     "TextPart",
     "check_limits",
+    "check_vocabulary",
     "parse_generation_body",
 ]
 
@@ -79,11 +90,14 @@ class _GenerationBase(BaseModel):
     )
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # vLLM's extensions, with its meanings (engines/sampling.py):
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="1 is off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="0 is off")
+    min_tokens: int = Field(0, ge=0, description="no end of sequence before this many tokens")
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> _GenerationBase:
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported yet; use 0")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
         return self
@@ -109,6 +123,11 @@ class _GenerationBase(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def limit(self) -> int | None:
+        """``max_tokens`` (or ``max_completion_tokens``), as the client gave it."""
+        return self.max_tokens
+
 
 class TextPart(BaseModel):
     model_config = _Strict
@@ -117,12 +136,15 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One message. ``content`` is required for every role: OpenAI lets an assistant
-    message carry ``tool_calls`` instead, but quantroute takes no tools, so a message
-    without content says nothing (and a silently empty turn would change the prompt)."""
+    """One message. ``content`` is required, but for an assistant message that carries
+    ``tool_calls`` instead; a ``tool`` message names the call it answers
+    (``tool_call_id``)."""
 
     model_config = _Strict
     role: Literal["system", "developer", "user", "assistant", "tool"]
+    # before content: its check reads them
+    tool_calls: Annotated[list[ToolCallIn], Field(min_length=1, max_length=128)] | None = None
+    tool_call_id: Str | None = Field(None, min_length=1, max_length=256)
     content: Text | Annotated[list[TextPart], Field(min_length=1)] | None = Field(
         None, validate_default=True
     )
@@ -130,10 +152,22 @@ class ChatMessage(BaseModel):
 
     @field_validator("content", mode="after")
     @classmethod
-    def _required(cls, value: str | list[TextPart] | None) -> str | list[TextPart]:
-        if value is None:
+    def _required(
+        cls, value: str | list[TextPart] | None, info: ValidationInfo
+    ) -> str | list[TextPart] | None:
+        if value is None and not (
+            info.data.get("role") == "assistant" and info.data.get("tool_calls")
+        ):
             raise ValueError("content is required: a string or a list of text parts")
         return value
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id (and only a tool message)")
+        return self
 
     @property
     def text(self) -> str:
@@ -141,12 +175,29 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(part.text for part in self.content or ())
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it (``api.tools.template_messages``)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
 
 class ChatCompletionRequest(_GenerationBase):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _chat(self) -> ChatCompletionRequest:
@@ -154,15 +205,38 @@ class ChatCompletionRequest(_GenerationBase):
             raise ValueError("top_logprobs requires logprobs: true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("give max_tokens or max_completion_tokens, not both")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions have the same name")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice requires tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError("tool_choice names a function that is not in tools")
         return self
 
     @property
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def limit(self) -> int | None:
+        return self.completion_limit
+
+    @property
+    def active_tools(self) -> list[Tool] | None:
+        """The tools the model is told of and may call (none with ``tool_choice`` none)."""
+        return None if self.tool_choice == "none" else self.tools
+
+
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
 
 class CompletionRequest(_GenerationBase):
-    prompt: Text | list[Text]
+    """``prompt``: a string, a list of strings, a list of token ids, or a list of lists of
+    token ids (ids are used as they are: no BOS is added)."""
+
+    prompt: Text | list[Text] | list[TokenId] | list[Annotated[list[TokenId], Field(min_length=1)]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
@@ -176,17 +250,33 @@ class CompletionRequest(_GenerationBase):
         return self
 
     @property
+    def token_prompts(self) -> list[list[int]] | None:
+        """The prompts as token ids, when the client gave ids."""
+        p = self.prompt
+        if isinstance(p, list) and isinstance(p[0], int):
+            return [p]
+        if isinstance(p, list) and isinstance(p[0], list):
+            return list(p)
+        return None
+
+    @property
     def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+        """The prompts as text (for token-id prompts, empty strings: one per prompt)."""
+        ids = self.token_prompts
+        if ids is not None:
+            return [""] * len(ids)
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)  # type: ignore[arg-type]
 
 
 def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: LimitSettings) -> None:
     """The bounds that come from settings; each failure names its field."""
-    max_tokens = req.completion_limit if isinstance(req, ChatCompletionRequest) else req.max_tokens
+    max_tokens = req.limit
     if max_tokens is not None and max_tokens > limits.max_tokens:
         raise InvalidRequestError(
             f"max_tokens must be at most {limits.max_tokens}", param="max_tokens"
         )
+    if req.min_tokens > (max_tokens or limits.max_tokens):
+        raise InvalidRequestError("min_tokens must be at most max_tokens", param="min_tokens")
     if req.n > limits.max_n:
         raise InvalidRequestError(f"n must be at most {limits.max_n}", param="n")
     stops = req.stops
@@ -208,6 +298,11 @@ def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: LimitSe
             )
     else:
         prompts = req.prompts
+        ids = req.token_prompts or []
+        if any(len(p) > limits.max_prompt_chars for p in ids):
+            raise InvalidRequestError(
+                f"a prompt may hold at most {limits.max_prompt_chars} tokens", param="prompt"
+            )
         if len(prompts) * req.n > limits.max_n:
             raise InvalidRequestError(
                 f"len(prompt) * n must be at most {limits.max_n}", param="prompt"
@@ -216,6 +311,25 @@ def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: LimitSe
             raise InvalidRequestError(
                 f"prompt may hold at most {limits.max_prompt_chars} characters", param="prompt"
             )
+
+
+def check_vocabulary(req: ChatCompletionRequest | CompletionRequest, n_vocab: int) -> None:
+    """Every token id the request names (``logit_bias`` keys, token prompts) lies in the
+    model's vocabulary of ``n_vocab`` tokens: one outside it is a 400, never ignored."""
+    for token, _ in req.bias:
+        if token >= n_vocab:
+            raise InvalidRequestError(
+                f"logit_bias: token id {token} is outside the vocabulary (0..{n_vocab - 1})",
+                param="logit_bias",
+            )
+    if isinstance(req, CompletionRequest):
+        for ids in req.token_prompts or ():
+            bad = next((t for t in ids if t >= n_vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"prompt: token id {bad} is outside the vocabulary (0..{n_vocab - 1})",
+                    param="prompt",
+                )
 
 
 def parse_generation_body(raw: bytes) -> ChatCompletionRequest | CompletionRequest:

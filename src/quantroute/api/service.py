@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 from quantroute.api import views
 from quantroute.api.jobs import Job, Run, build_job
 from quantroute.api.runner import Runner
-from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest, check_limits
+from quantroute.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_limits,
+    check_vocabulary,
+)
+from quantroute.api.tools import template_messages
 from quantroute.engines.chat_template import render_chat_bounded
 from quantroute.errors import (
     InvalidRequestError,
@@ -85,10 +91,11 @@ class Service:
             self._settings.routing,
         )
         text = _prompt_text(req)
-        limit = req.completion_limit if isinstance(req, ChatCompletionRequest) else req.max_tokens
+        limit = req.limit
+        ids = req.token_prompts if isinstance(req, CompletionRequest) else None
         shape = RequestShape(
             # an upper bound: a token is at least one byte of text
-            prompt_tokens=len(text.encode()) + 1,
+            prompt_tokens=len(ids[0]) if ids else len(text.encode()) + 1,
             max_tokens=limit or self._settings.limits.max_tokens,
             prefix=text[:_AFFINITY_PREFIX_CHARS],
         )
@@ -202,13 +209,20 @@ class Service:
         )
         try:
             decision, branches = await self.decide(req, requirement, shape)
+            info = branches[0].engine.info
+            if info is not None:  # a model's branches share one vocabulary
+                check_vocabulary(req, info.n_vocab)
             prompt = None
             if isinstance(req, ChatCompletionRequest):
-                info = branches[0].engine.info
                 limits = self._settings.limits
+                template = info.chat_template if info else None
+                messages, tools = template_messages(
+                    [m.for_template() for m in req.messages], req.active_tools, template=template
+                )
                 prompt = await render_chat_bounded(  # off the loop, within a time and size
-                    [{"role": m.role, "content": m.text} for m in req.messages],
-                    model_template=info.chat_template if info else None,
+                    messages,
+                    tools=tools,
+                    model_template=template,
                     bos_token=info.bos_token if info else "",
                     eos_token=info.eos_token if info else "",
                     timeout_s=limits.template_timeout_s,
@@ -243,6 +257,10 @@ class Service:
     def models(self, tenant: Tenant = OPEN) -> dict[str, Any]:
         """The body of ``GET /v1/models``: the models ``tenant`` may use."""
         return views.models_json(self._gateway, tenant)
+
+    def model(self, model_id: str, tenant: Tenant = OPEN) -> dict[str, Any]:
+        """The body of ``GET /v1/models/{id}``: a model, or a pinned branch (``model:branch``)."""
+        return views.model_json(self._gateway, model_id, tenant)
 
     def devices(self) -> dict[str, Any]:
         """The body of ``GET /v1/devices``."""

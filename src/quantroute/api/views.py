@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from quantroute.errors import NotFoundError
 from quantroute.observability import render_metrics
 from quantroute.observability.metrics import BranchSample, DeviceSample
 from quantroute.quality.profile import BranchProfile
@@ -82,6 +83,15 @@ def models_json(gateway: Gateway, tenant: Tenant = OPEN) -> dict[str, Any]:
             for b in branches
         ]
     return {"object": "list", "data": data}
+
+
+def model_json(gateway: Gateway, model_id: str, tenant: Tenant = OPEN) -> dict[str, Any]:
+    """The body of ``GET /v1/models/{id}``: one entry of :func:`models_json` (a model or a
+    pinned branch id); 404 for an unknown one, or one ``tenant`` may not use."""
+    for entry in models_json(gateway, tenant)["data"]:
+        if entry["id"] == model_id:
+            return dict(entry)
+    raise NotFoundError("The requested model does not exist.", param="model")
 
 
 def readiness_json(gateway: Gateway) -> tuple[bool, dict[str, Any]]:

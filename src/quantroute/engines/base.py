@@ -55,6 +55,12 @@ class SamplingParams:
     top_logprobs: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks)
+    min_p: float = 0.0  # keep tokens at least this times as likely as the best; 0 is off
+    min_tokens: int = 0  # no end-of-sequence before this many tokens
+    presence_penalty: float = 0.0  # OpenAI's, over the generated tokens
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's, over prompt and generated tokens; 1 is off
+    grammar: str | None = None  # GBNF the output must match (engines/grammar.py)
     # The request's deadline, in time.monotonic() seconds (CLOCK_MONOTONIC: one clock for
     # every process on the machine); the engine stops generating when it passes.
     deadline: float | None = None
@@ -62,11 +68,13 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """A text prompt; the engine tokenizes it and adds BOS."""
+    """A text prompt, which the engine tokenizes (adding BOS), or ``prompt_ids``: token ids
+    taken as they are (``prompt`` is then their text, for routing and logs)."""
 
     request_id: str
     prompt: str
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    prompt_ids: tuple[int, ...] | None = None
     # Parse special-token text (``<|im_start|>``) as special tokens: only for prompts a
     # model's chat template wrote, never for raw client text.
     parse_special: bool = False

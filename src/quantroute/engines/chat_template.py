@@ -501,13 +501,15 @@ def render_chat(
     messages: Sequence[dict[str, Any]],
     *,
     model_template: str | None,
+    tools: list[dict[str, Any]] | None = None,
     bos_token: str = "",
     eos_token: str = "",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     max_chars: int = DEFAULT_MAX_CHARS,
 ) -> ChatPrompt:
     """Render ``messages`` for generation, on the calling thread, within ``timeout_s``
-    and ``max_chars`` (see the module docstring for what each failure is). The BOS
+    and ``max_chars`` (see the module docstring for what each failure is); ``tools`` is
+    the template's ``tools`` variable (OpenAI's shape; ``None`` when none). The BOS
     token is added by the tokenizer, so a template's leading ``bos_token`` is removed
     here rather than doubled."""
     source = model_template or DEFAULT_TEMPLATE
@@ -517,6 +519,7 @@ def render_chat(
         text = _compile(source).render(
             messages=list(messages),
             add_generation_prompt=True,
+            tools=tools,
             bos_token=bos_token,
             eos_token=eos_token,
         )
@@ -547,6 +550,7 @@ async def render_chat_bounded(
     messages: Sequence[dict[str, Any]],
     *,
     model_template: str | None,
+    tools: list[dict[str, Any]] | None = None,
     bos_token: str = "",
     eos_token: str = "",
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -560,6 +564,7 @@ async def render_chat_bounded(
         render_chat,
         messages,
         model_template=model_template,
+        tools=tools,
         bos_token=bos_token,
         eos_token=eos_token,
         timeout_s=timeout_s,

@@ -135,7 +135,9 @@ class FakeEngine:
         if not self.ready or self.faults.refuse:
             raise EngineUnavailableError("fake engine is unavailable")
         s = request.sampling
-        prompt_tokens = len(request.prompt) + 1
+        prompt_tokens = (
+            len(request.prompt_ids) if request.prompt_ids is not None else len(request.prompt) + 1
+        )
         if s.fit_context:
             s = replace(s, max_tokens=max(1, min(s.max_tokens, self._info.n_ctx - prompt_tokens)))
         if prompt_tokens + s.max_tokens > self._info.n_ctx:

@@ -58,6 +58,7 @@ from quantroute.errors import (
     EngineCrashedError,
     EngineError,
     EngineUnavailableError,
+    InvalidRequestError,
 )
 from quantroute.types import Offload
 
@@ -543,9 +544,17 @@ class LlamaCppEngine:
                 "top_logprobs": s.top_logprobs,
                 "logit_bias": [list(pair) for pair in s.logit_bias],
                 "ignore_eos": s.ignore_eos,
+                "min_p": s.min_p,
+                "min_tokens": s.min_tokens,
+                "presence_penalty": s.presence_penalty,
+                "frequency_penalty": s.frequency_penalty,
+                "repetition_penalty": s.repetition_penalty,
+                "grammar": s.grammar,
                 "deadline": s.deadline,
             },
         }
+        if request.prompt_ids is not None:
+            command["prompt_ids"] = list(request.prompt_ids)
         events = self._exchange(
             command, last="fin", idle_timeout_s=self._options.gen_idle_timeout_s
         )
@@ -564,12 +573,17 @@ class LlamaCppEngine:
                     )
 
 
+_CLIENT_ERRORS = {"invalid_grammar": "response_format", "grammar_too_long": "max_tokens"}
+
+
 def _worker_error(branch: str, event: dict[str, Any]) -> Exception:
     if event.get("code") == "context_length_exceeded":
         return ContextLengthExceededError(
             prompt_tokens=event["pt"], max_tokens=event["max_tokens"], n_ctx=event["n_ctx"]
         )
     code = event.get("code")
+    if code in _CLIENT_ERRORS:  # the request's own fault: a 400, not the branch's
+        return InvalidRequestError(str(event.get("msg", "")), param=_CLIENT_ERRORS[code])
     if code == "device_out_of_memory":
         return DeviceOutOfMemoryError(f"branch {branch}: {event.get('msg', 'out of memory')}")
     return EngineError(

@@ -8,6 +8,7 @@ prints can corrupt the protocol).
 Commands::
 
     {"op": "gen", "id": "r1", "prompt": "...", "special": false, "s": {sampling}}
+    {"op": "gen", "id": "r1", "prompt_ids": [1, 72, 105], "s": {sampling}}  (ids as they are)
     {"op": "logits", "id": "r2", "prompt": "...", "special": false, "tokens": [101, 7],
      "path": "/dev/shm/quantroute-logits.<pid>.<hex>.f32"}
     {"op": "score", "id": "r3", "prompt": "...", "special": false, "tokens": [101, 7],
@@ -40,6 +41,11 @@ other sequences for long.
 No event line is longer than ``--max-event-bytes`` (1 MiB): one that would be
 is replaced by an ``err`` (``code`` ``event_too_large``) for its id, and that
 request is dropped; everyone else's go on.
+
+A ``gen`` whose sampling has a ``grammar`` (GBNF text) samples only what the
+grammar allows and always ends with output it accepts (``engines/constrained.py``);
+an ungrammatical grammar is an ``err`` with ``code`` ``invalid_grammar``, one whose
+shortest output is longer than ``max_tokens`` ``grammar_too_long``.
 
 Scheduling is continuous batching: every step puts the next token of every
 decoding sequence and a slice of any waiting prompt into one ``llama_decode``.
@@ -80,7 +86,8 @@ from typing import IO, Any
 import llama_cpp as lc
 import numpy as np
 
-from quantroute.engines.sampling import sample
+from quantroute.engines.constrained import ClosingOrder, Grammar, GrammarError
+from quantroute.engines.sampling import Penalties, choice_of, penalize, sample
 from quantroute.engines.scoring import Comparison, LogitsDump, ScoringJob
 from quantroute.engines.stops import StopMatcher
 
@@ -108,6 +115,12 @@ class Sequence:
     bias_ids: np.ndarray[Any, Any] | None = None
     bias_values: np.ndarray[Any, Any] | None = None
     ignore_eos: bool = False
+    min_p: float = 0.0
+    min_tokens: int = 0  # end-of-generation is banned before this many tokens
+    penalties: Penalties = field(default_factory=Penalties)
+    counts: np.ndarray[Any, Any] | None = None  # [V] generated tokens, with penalties
+    seen: np.ndarray[Any, Any] | None = None  # [V] prompt or generated, with penalties
+    grammar: Grammar | None = None  # response_format / a forced tool call
     deadline: float | None = None  # time.monotonic(); past it the sequence finishes "deadline"
     paused: bool = False  # its reader is slow: keep the slot, decode nothing until resumed
     first_scored: int = -1  # >= 0: a scoring job; its rows from this position on go to `job`
@@ -144,6 +157,7 @@ class Worker:
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = lc.llama_model_n_ctx_train(self.model)
         self.eog_tokens = [t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)]
+        self.eog_set = frozenset(self.eog_tokens)
         self.n_ctx = args.n_ctx or self.n_ctx_train
         self.parallel = args.parallel
         self.n_batch = args.n_batch
@@ -171,6 +185,7 @@ class Worker:
         self.waiting: deque[Sequence] = deque()
         self.commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.running = True
+        self._closing_order: ClosingOrder | None = None  # made with the first grammar
 
     # -- protocol -------------------------------------------------------------
 
@@ -293,7 +308,12 @@ class Worker:
 
     def admit(self, cmd: dict[str, Any]) -> None:
         rid, s = cmd["id"], cmd["s"]
-        prompt = self.tokenize(cmd["prompt"], bool(cmd.get("special")))
+        if cmd.get("prompt_ids") is not None:  # token ids, used as they are (no BOS added)
+            prompt = [int(t) for t in cmd["prompt_ids"]]
+            if not prompt or any(not 0 <= t < self.n_vocab for t in prompt):
+                raise ValueError("a prompt token id is outside the vocabulary")
+        else:
+            prompt = self.tokenize(cmd["prompt"], bool(cmd.get("special")))
         max_tokens = int(s["max_tokens"])
         if s.get("fit_context"):
             max_tokens = max(1, min(max_tokens, self.n_ctx - len(prompt)))
@@ -321,18 +341,56 @@ class Worker:
             rng=np.random.default_rng(s.get("seed")),
             stops=StopMatcher(tuple(s["stop"])),
             ignore_eos=bool(s.get("ignore_eos")),
+            min_p=float(s.get("min_p", 0.0)),
+            min_tokens=int(s.get("min_tokens", 0)),
+            penalties=Penalties(
+                float(s.get("presence_penalty", 0.0)),
+                float(s.get("frequency_penalty", 0.0)),
+                float(s.get("repetition_penalty", 1.0)),
+            ),
             deadline=None if s.get("deadline") is None else float(s["deadline"]),
         )
-        bias = [
-            (int(t), float(b)) for t, b in s.get("logit_bias", ()) if 0 <= int(t) < self.n_vocab
-        ]
+        bias = [(int(t), float(b)) for t, b in s.get("logit_bias", ())]
+        if any(not 0 <= t < self.n_vocab for t, _ in bias):
+            raise ValueError("a logit_bias token id is outside the vocabulary")
         if seq.ignore_eos:
             bias += [(t, -np.inf) for t in self.eog_tokens]
         if bias:
             seq.bias_ids = np.array([t for t, _ in bias], dtype=np.int64)
             seq.bias_values = np.array([b for _, b in bias], dtype=np.float32)
+        if seq.penalties.active:
+            seq.counts = np.zeros(self.n_vocab, dtype=np.int32)
+            seq.seen = np.zeros(self.n_vocab, dtype=np.bool_)
+            seq.seen[prompt] = True
+        if s.get("grammar") and not self.admit_grammar(seq, str(s["grammar"])):
+            return
         self.emit({"ev": "start", "id": rid, "pt": len(prompt)})
         self.waiting.append(seq)
+
+    def admit_grammar(self, seq: Sequence, gbnf: str) -> bool:
+        """Give ``seq`` its grammar; refuse it (an ``err``) when the grammar does not parse
+        or its shortest output does not fit in ``max_tokens``."""
+        if self._closing_order is None:
+            pieces = [self.piece_bytes(t) for t in range(self.n_vocab)]
+            self._closing_order = ClosingOrder(pieces, self.eog_tokens)
+        try:
+            seq.grammar = Grammar(self.vocab, self.n_vocab, gbnf, self._closing_order)
+        except GrammarError as exc:
+            self.emit({"ev": "err", "id": seq.rid, "code": "invalid_grammar", "msg": str(exc)})
+            return False
+        if seq.grammar.closing_length(seq.max_tokens) is None:
+            seq.grammar.close()
+            self.emit(
+                {
+                    "ev": "err",
+                    "id": seq.rid,
+                    "code": "grammar_too_long",
+                    "msg": f"max_tokens ({seq.max_tokens}) is too small for the shortest "
+                    "output the response format or tool call allows",
+                }
+            )
+            return False
+        return True
 
     def admit_score(self, cmd: dict[str, Any]) -> None:
         """Teacher-force ``prompt + tokens``; write the logits rows that predicted each of
@@ -404,6 +462,9 @@ class Worker:
         self.close_job(seq)
 
     def close_job(self, seq: Sequence) -> None:
+        if seq.grammar is not None:
+            seq.grammar.close()
+            seq.grammar = None
         if seq.job is not None:
             seq.job.close()
             seq.job = None
@@ -577,19 +638,37 @@ class Worker:
         if seq.bias_ids is not None:
             logits = logits.copy()
             logits[seq.bias_ids] += seq.bias_values
-        choice = sample(
-            logits,
-            temperature=seq.temperature,
-            top_p=seq.top_p,
-            top_k=seq.top_k,
-            rng=seq.rng,
-            want_logprob=seq.logprobs,
-            n_top=seq.n_top,
-        )
-        token = choice.token
-        if lc.llama_vocab_is_eog(self.vocab, token):
-            self.finish(seq, "stop")
+        if seq.counts is not None and seq.seen is not None:
+            logits = penalize(logits, seq.penalties, seq.counts, seq.seen)
+        if seq.generated < seq.min_tokens and self.eog_tokens:
+            logits = np.array(logits, dtype=np.float64)
+            logits[self.eog_tokens] = -np.inf
+        if seq.grammar is not None:
+            token, choice = self._constrained(seq, logits, index)
+        else:
+            choice = sample(
+                logits,
+                temperature=seq.temperature,
+                top_p=seq.top_p,
+                top_k=seq.top_k,
+                rng=seq.rng,
+                min_p=seq.min_p,
+                want_logprob=seq.logprobs,
+                n_top=seq.n_top,
+            )
+            token = choice.token
+        if token < 0:  # a grammar with no way on (the closing path said there was one)
+            self.finish(seq, "length")
             return
+        if lc.llama_vocab_is_eog(self.vocab, token):
+            closed = seq.grammar is not None and seq.grammar.closing
+            self.finish(seq, "length" if closed else "stop")
+            return
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
+        if seq.counts is not None and seq.seen is not None:
+            seq.counts[token] += 1
+            seq.seen[token] = True
         seq.generated += 1
         text = seq.stops.feed(seq.decoder.decode(self.piece_bytes(token)))
         event: dict[str, Any] = {"ev": "tok", "id": seq.rid, "t": text, "tok": token}
@@ -607,6 +686,35 @@ class Worker:
             self.finish(seq, "deadline")  # the client stops waiting: so do we
         else:
             seq.next_token = token
+
+    def _constrained(self, seq: Sequence, logits: Any, index: int) -> tuple[int, Any]:
+        """The next token of a sequence with a grammar: sampled among the tokens the
+        grammar allows while the closing path fits in the tokens left after it, else the
+        closing path's (``engines/constrained.py``)."""
+        grammar = seq.grammar
+        assert grammar is not None
+        masked = grammar.mask(logits)
+        if not np.isfinite(masked).any():  # min_tokens banned the only way out: let it end
+            raw = np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ctx, index), (self.n_vocab,))
+            masked = grammar.mask(raw)
+        left = min(seq.max_tokens - seq.generated, self.n_ctx - seq.n_past)
+        token = -1
+        if not grammar.closing:
+            token = sample(
+                masked,
+                temperature=seq.temperature,
+                top_p=seq.top_p,
+                top_k=seq.top_k,
+                rng=seq.rng,
+                min_p=seq.min_p,
+            ).token
+            fits = token in self.eog_set or (
+                grammar.closing_length(left - 1, after=token) is not None
+            )
+            grammar.closing = not fits
+        if grammar.closing:
+            token = grammar.closing_token()
+        return token, choice_of(masked, token, want_logprob=seq.logprobs, n_top=seq.n_top)
 
 
 @lc.llama_log_callback  # type: ignore[untyped-decorator]

@@ -1,4 +1,5 @@
-"""Next-token choice from one row of logits: greedy, temperature, top-k, top-p.
+"""Next-token choice from one row of logits: penalties, greedy, temperature, top-k,
+top-p, min-p.
 
 Pure numpy, called by the llama.cpp worker once per sequence per step.
 Log-probabilities reported to clients are the model's own distribution
@@ -20,6 +21,14 @@ temperature, so the best token's scaled logit is exactly 0 and the
 normalising sum is at least 1, whatever the temperature: a tiny temperature
 turns every other logit into ``-inf`` (probability 0) rather than overflowing.
 Temperatures below :data:`GREEDY_BELOW` are greedy outright.
+
+Penalties (:func:`penalize`, before sampling) have vLLM's meanings:
+``repetition_penalty`` ``r`` divides a positive logit by ``r`` and multiplies a
+negative one by it, for every token in the prompt or the output so far; then
+OpenAI's ``frequency_penalty`` and ``presence_penalty`` subtract ``f * count``
+and ``p * (count > 0)``, counting the output's tokens only. After temperature,
+top-k and top-p, ``min_p`` keeps the tokens whose probability is at least
+``min_p`` times the most likely one's.
 """
 
 from __future__ import annotations
@@ -30,7 +39,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["GREEDY_BELOW", "LOGPROB_FLOOR", "Choice", "log_softmax", "sample"]
+__all__ = [
+    "GREEDY_BELOW",
+    "LOGPROB_FLOOR",
+    "Choice",
+    "Penalties",
+    "choice_of",
+    "distribution",
+    "log_softmax",
+    "penalize",
+    "sample",
+]
 
 FloatArray = npt.NDArray[np.floating[Any]]
 F64 = npt.NDArray[np.float64]
@@ -48,6 +67,35 @@ class Choice:
     token: int
     logprob: float | None
     top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Penalties:
+    presence: float = 0.0  # [-2, 2], over the output's tokens
+    frequency: float = 0.0  # [-2, 2], times each output token's count
+    repetition: float = 1.0  # > 0; 1 is off; over the prompt's and the output's tokens
+
+    @property
+    def active(self) -> bool:
+        return bool(self.presence or self.frequency or self.repetition != 1.0)
+
+
+def penalize(
+    logits: FloatArray,  # [V]
+    penalties: Penalties,
+    counts: npt.NDArray[np.integer[Any]],  # [V] how often each token was generated
+    seen: npt.NDArray[np.bool_],  # [V] in the prompt or generated
+) -> F64:
+    """The row with the penalties applied (module docstring); ``-inf`` stays ``-inf``."""
+    row = np.array(logits, dtype=np.float64).reshape(-1)
+    if penalties.repetition != 1.0:
+        r = penalties.repetition
+        hit = seen & np.isfinite(row)
+        row[hit] = np.where(row[hit] > 0, row[hit] / r, row[hit] * r)
+    if penalties.frequency or penalties.presence:
+        with np.errstate(invalid="ignore"):  # -inf minus a finite value: still -inf
+            row -= penalties.frequency * counts + penalties.presence * (counts > 0)
+    return row
 
 
 def _clean(logits: FloatArray) -> F64:
@@ -88,21 +136,28 @@ def sample(
     top_p: float,
     top_k: int,
     rng: np.random.Generator,
+    min_p: float = 0.0,
     want_logprob: bool = False,
     n_top: int = 0,
 ) -> Choice:
     """One token from ``logits``; with ``want_logprob`` / ``n_top``, its log-probability
     and the ``n_top`` most likely tokens' (model distribution, floored at
-    :data:`LOGPROB_FLOOR`). ``top_k`` 0 is off; ``top_p`` 1 is off."""
+    :data:`LOGPROB_FLOOR`). ``top_k`` 0 is off; ``top_p`` 1 is off; ``min_p`` 0 is off."""
     row = _clean(logits)
     if not temperature >= GREEDY_BELOW:  # nan too: greedy rather than a crash
         token = int(np.argmax(row))
     else:
         with np.errstate(over="ignore", under="ignore"):  # to -inf and to 0: both meant
-            token = _sample_stochastic(row, temperature, top_p, top_k, rng)
+            candidates, probs = _truncated(row, temperature, top_p, top_k, min_p)
+            token = int(candidates[rng.choice(probs.size, p=probs)])
+    return choice_of(row, token, want_logprob=want_logprob, n_top=n_top)
+
+
+def choice_of(logits: FloatArray, token: int, *, want_logprob: bool, n_top: int) -> Choice:
+    """``token`` as a :class:`Choice` of ``logits``, with its log-probabilities."""
     if not (want_logprob or n_top > 0):
         return Choice(token, None, ())
-    logprobs = log_softmax(row)
+    logprobs = log_softmax(logits)
     top: tuple[tuple[int, float], ...] = ()
     if n_top > 0:
         k = min(n_top, logprobs.size)
@@ -116,9 +171,23 @@ def _reported(logprob: np.floating[Any]) -> float:
     return max(float(logprob), LOGPROB_FLOOR)
 
 
-def _sample_stochastic(
-    row: F64, temperature: float, top_p: float, top_k: int, rng: np.random.Generator
-) -> int:
+def distribution(
+    logits: FloatArray, *, temperature: float, top_p: float, top_k: int, min_p: float = 0.0
+) -> F64:
+    """The probabilities :func:`sample` draws from (temperature above greedy): ``[V]``,
+    zero outside the kept tokens."""
+    row = _clean(logits)
+    out = np.zeros(row.size)
+    with np.errstate(over="ignore", under="ignore"):
+        candidates, probs = _truncated(row, temperature, top_p, top_k, min_p)
+    out[candidates] = probs
+    return out
+
+
+def _truncated(
+    row: F64, temperature: float, top_p: float, top_k: int, min_p: float
+) -> tuple[npt.NDArray[np.intp], F64]:
+    """The kept tokens, most likely first, and their renormalized probabilities."""
     # Shift first: the best token's value is exactly 0 after the division, the rest
     # are <= 0 or -inf; no temperature in (0, 2] can make an inf or a nan here.
     scaled = (row - np.max(row)) / temperature  # [V]
@@ -135,4 +204,8 @@ def _sample_stochastic(
         keep = max(1, int(np.searchsorted(np.cumsum(probs), top_p) + 1))
         candidates, probs = candidates[:keep], probs[:keep]
         probs /= probs.sum()
-    return int(candidates[rng.choice(probs.size, p=probs)])
+    if min_p > 0.0:
+        keep = max(1, int(np.count_nonzero(probs >= min_p * probs[0])))
+        candidates, probs = candidates[:keep], probs[:keep]  # sorted: a prefix
+        probs /= probs.sum()
+    return candidates, probs

@@ -1,0 +1,90 @@
+"""``response_format`` and the grammar a request's output must match.
+
+``{"type": "text"}`` constrains nothing; ``json_object`` is any JSON object;
+``json_schema`` is a value of its schema, every keyword enforced by the grammar or
+refused with a 400 that names it (``engines.grammar.check_schema``). A forced tool
+call (``tool_choice`` ``required`` or a named function) has its own grammar and
+wins over ``response_format``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from quantroute.api.tools import NamedToolChoice, Tool
+from quantroute.engines.grammar import (
+    SchemaError,
+    check_schema,
+    json_object_grammar,
+    schema_grammar,
+    tool_call_grammar,
+)
+from quantroute.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
+
+__all__ = ["JsonSchemaSpec", "ResponseFormat", "grammar_of"]
+
+_Strict = ConfigDict(extra="forbid", strict=True)
+
+
+class TextFormat(BaseModel):
+    model_config = _Strict
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = _Strict
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = Field(None, max_length=1 << 16)
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # enforced either way
+
+    @model_validator(mode="after")
+    def _enforceable(self) -> JsonSchemaSpec:
+        try:
+            check_schema(self.schema_, "schema")
+        except SchemaError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _Strict
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
+]
+
+
+def grammar_of(req: ChatCompletionRequest | CompletionRequest) -> str | None:
+    """The GBNF the output of ``req`` must match, or ``None``."""
+    tools: list[Tool] | None = getattr(req, "tools", None)
+    choice = getattr(req, "tool_choice", None)
+    try:
+        if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
+            named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+            chosen = [t for t in tools if named is None or t.function.name == named]
+            functions = [(t.function.name, t.function.schema_) for t in chosen]
+            parallel = getattr(req, "parallel_tool_calls", True) is not False
+            return tool_call_grammar(functions, parallel=parallel)
+        fmt = req.response_format
+        if isinstance(fmt, JsonObjectFormat):
+            return json_object_grammar()
+        if isinstance(fmt, JsonSchemaFormat):
+            return schema_grammar(fmt.json_schema.schema_)
+    except SchemaError as exc:
+        param = "tools" if tools else "response_format"
+        raise InvalidRequestError(str(exc), param=param) from None
+    return None

@@ -1,0 +1,144 @@
+"""A sequence's grammar in the worker: llama.cpp's GBNF sampler, driven from numpy.
+
+Each step the grammar masks the row of logits (tokens it does not allow get
+``-inf``; end-of-generation only where the grammar may end), the worker's own
+sampler picks among the rest, and the grammar accepts the pick.
+
+A grammar alone does not make generation end: a model can stay inside a string
+for ever, and ``max_tokens`` would then cut the value in half. So each step
+also keeps the *closing path* in reach: the shortest way (found greedily, see
+:meth:`Grammar.closing_length`) from the grammar's state to its end. A token is
+taken only if, after it, the closing path still fits in the tokens left;
+otherwise the sequence *closes*: from then on it follows the closing path —
+end-of-generation where allowed, else ``"``, ``}``, ``]``, a digit, then any
+allowed token — and ends complete, with ``finish_reason`` ``"length"`` (the
+budget, not the model, ended it). By induction every sequence ends with output
+the grammar accepts, within ``max_tokens``, whatever the model samples. A
+request whose ``max_tokens`` is shorter than the grammar's shortest output is
+refused before it starts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import llama_cpp as lc
+import numpy as np
+
+__all__ = ["ClosingOrder", "Grammar", "GrammarError"]
+
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+# The closing path prefers these, in order, after end-of-generation: each closes a
+# string (or opens one that the next step closes),
+# value, a string, a container; the printable rest follows (forced literals).
+_PREFERRED = '"}]0123456789ntf,:'
+
+
+class GrammarError(ValueError):
+    """llama.cpp could not parse the grammar."""
+
+
+class ClosingOrder:
+    """The tokens a closing path may take, in order of preference, for one vocabulary:
+    end-of-generation tokens, then the single-character tokens of :data:`_PREFERRED`,
+    then every other printable ASCII one (space and newline last); where none of them
+    is allowed, the lowest token id that is."""
+
+    def __init__(self, pieces: list[bytes], eog: list[int]):
+        by_piece: dict[bytes, int] = {}
+        for token, piece in enumerate(pieces):
+            if len(piece) == 1 and token not in eog:
+                by_piece.setdefault(piece, token)
+        chars = [c.encode() for c in _PREFERRED]
+        chars += [bytes([b]) for b in range(0x21, 0x7F) if bytes([b]) not in chars]
+        chars += [b" ", b"\n", b"\t"]
+        ordered = list(eog) + [by_piece[c] for c in chars if c in by_piece]
+        self.tokens = np.array(ordered, dtype=np.int32)  # [C]
+        self.eog = frozenset(eog)
+
+
+class Grammar:
+    """One sequence's grammar state (``llama_sampler_init_grammar``); :meth:`close`
+    frees it."""
+
+    def __init__(self, vocab: Any, n_vocab: int, gbnf: str, order: ClosingOrder):
+        self._smpl = lc.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
+        if not self._smpl:
+            raise GrammarError("llama.cpp could not parse the grammar")
+        self._order = order
+        self._row = np.zeros(n_vocab, dtype=_TOKEN_DATA)  # [V]
+        self._row["id"] = np.arange(n_vocab, dtype=np.int32)
+        self._few = np.zeros(order.tokens.size, dtype=_TOKEN_DATA)  # [C]
+        self._few["id"] = order.tokens
+        self.closing = False  # following the closing path (the budget ran short)
+
+    def close(self) -> None:
+        if self._smpl:
+            lc.llama_sampler_free(self._smpl)
+            self._smpl = None
+
+    def mask(self, logits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """``logits`` (``[V]``) with every token the grammar does not allow now at ``-inf``."""
+        self._row["logit"] = logits
+        _apply(self._smpl, self._row)
+        return self._row["logit"].astype(np.float64)
+
+    def accept(self, token: int) -> None:
+        """Advance past ``token``, which :meth:`mask` allowed (llama.cpp aborts the
+        process on a token its grammar does not allow)."""
+        lc.llama_sampler_accept(self._smpl, token)
+
+    def allows(self, token: int) -> bool:
+        one = np.zeros(1, dtype=_TOKEN_DATA)
+        one["id"] = token
+        _apply(self._smpl, one)
+        return bool(np.isfinite(one["logit"][0]))
+
+    def closing_token(self) -> int:
+        """The next token of the closing path from the current state (end-of-generation
+        when the grammar may end); -1 when no token of the closing order is allowed."""
+        return self._closing_step(self._smpl)
+
+    def closing_length(self, limit: int, after: int | None = None) -> int | None:
+        """How many tokens the closing path takes (end-of-generation not counted), from
+        the current state or, with ``after``, from the state after that token; ``None``
+        when it takes more than ``limit`` or gets stuck."""
+        clone = lc.llama_sampler_clone(self._smpl)
+        try:
+            if after is not None:
+                lc.llama_sampler_accept(clone, after)
+            for steps in range(limit + 1):
+                token = self._closing_step(clone)
+                if token < 0:
+                    return None
+                if token in self._order.eog:
+                    return steps
+                lc.llama_sampler_accept(clone, token)
+            return None
+        finally:
+            lc.llama_sampler_free(clone)
+
+    def _closing_step(self, smpl: Any) -> int:
+        few = self._few
+        few["logit"] = 0.0
+        _apply(smpl, few)
+        allowed = np.flatnonzero(np.isfinite(few["logit"]))
+        if allowed.size:
+            return int(few["id"][allowed[0]])
+        row = self._row  # none of the closing order: the first token allowed at all
+        row["logit"] = 0.0
+        _apply(smpl, row)
+        allowed = np.flatnonzero(np.isfinite(row["logit"]))
+        return int(row["id"][allowed[0]]) if allowed.size else -1
+
+
+def _apply(smpl: Any, data: np.ndarray[Any, Any]) -> None:
+    """``llama_sampler_apply`` over a ``_TOKEN_DATA`` array, in place."""
+    arr = lc.llama_token_data_array(
+        data=data.ctypes.data_as(lc.llama_token_data_p),
+        size=data.size,
+        selected=-1,
+        sorted=False,
+    )
+    lc.llama_sampler_apply(smpl, ctypes.byref(arr))

@@ -1,0 +1,227 @@
+"""Grammars for constrained decoding: JSON mode, JSON schemas and forced tool calls, as
+GBNF text for llama.cpp's grammar sampler (the worker runs it, ``engines/constrained.py``).
+
+The schema-to-GBNF conversion is llama.cpp's own (``llama_cpp.llama_grammar``, a
+pure-Python port of ``json_schema_to_grammar``), loaded here from its file so that the
+gateway does not load ``libllama``. Two things are added around it:
+
+- :func:`check_schema` refuses, before any conversion, every keyword the converter
+  would silently ignore (``minimum``, ``oneOf``, ``uniqueItems``...): a schema it
+  accepts is one whose every instance the grammar produces validates;
+- its ``char`` rule admits raw control characters inside strings, which JSON forbids:
+  the rule is tightened to ``[^"\\\\\\x7F\\x00-\\x1F]`` (escapes stay allowed).
+
+A forced tool call is the default tool format of :mod:`quantroute.api.tools`::
+
+    <tool_call>{"name": "get_weather", "arguments": {...its parameters...}}</tool_call>
+
+once, or (with ``parallel_tool_calls``) one or more times separated by newlines.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from collections.abc import Iterator, Sequence
+from functools import cache
+from types import ModuleType
+from typing import Any
+
+__all__ = [
+    "TOOL_CALL_CLOSE",
+    "TOOL_CALL_OPEN",
+    "SchemaError",
+    "check_schema",
+    "json_object_grammar",
+    "schema_grammar",
+    "tool_call_grammar",
+]
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+#: Keywords the converter turns into grammar (each instance it allows validates).
+_ENFORCED = frozenset(
+    {
+        "type", "properties", "required", "additionalProperties", "items", "prefixItems",
+        "minItems", "maxItems", "enum", "const", "anyOf", "$ref", "minLength", "maxLength",
+        "pattern", "format",
+    }
+)  # fmt: skip
+#: Keywords that describe and constrain nothing.
+_ANNOTATIONS = frozenset(
+    {
+        "$schema", "$id", "$comment", "$defs", "definitions", "title", "description",
+        "default", "examples", "deprecated", "readOnly", "writeOnly",
+    }
+)  # fmt: skip
+_FORMATS = frozenset({"date", "time", "date-time", "uuid"})
+_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
+_MAX_SCHEMA_NODES = 2000
+_LOOSE_CHAR = r'char ::= [^"\\] | '
+_JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] | '
+
+
+class SchemaError(ValueError):
+    """A schema the grammar cannot enforce; ``str`` names the keyword and where it is."""
+
+
+@cache
+def _converter_module() -> ModuleType:
+    spec = importlib.util.find_spec("llama_cpp")  # finds the package, imports nothing
+    assert spec is not None and spec.submodule_search_locations
+    path = f"{next(iter(spec.submodule_search_locations))}/llama_grammar.py"
+    module_spec = importlib.util.spec_from_file_location("_qr_llama_grammar", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)  # stdlib imports only
+    return module
+
+
+def json_object_grammar() -> str:
+    """Any JSON object (``response_format: json_object``)."""
+    grammar: str = _converter_module().JSON_GBNF
+    return grammar
+
+
+def check_schema(schema: Any, where: str = "schema") -> None:
+    """Raise :class:`SchemaError` naming the first keyword of ``schema`` that the grammar
+    would not enforce, or anything that is not a JSON schema object."""
+    for count, (path, node) in enumerate(_nodes(schema, where), 1):
+        if count > _MAX_SCHEMA_NODES:
+            raise SchemaError(f"{where} has more than {_MAX_SCHEMA_NODES} subschemas")
+        if not isinstance(node, dict):
+            raise SchemaError(f"{path} must be an object (a JSON schema)")
+        for key in node:
+            if key not in _ENFORCED and key not in _ANNOTATIONS:
+                raise SchemaError(f"{path}: the keyword {key!r} is not supported")
+        types = node.get("type")
+        for t in types if isinstance(types, list) else [types]:
+            if t is not None and t not in _TYPES:
+                raise SchemaError(f"{path}.type: {t!r} is not a JSON schema type")
+        fmt = node.get("format")
+        if fmt is not None and fmt not in _FORMATS:
+            raise SchemaError(f"{path}.format: {fmt!r} is not supported (only {sorted(_FORMATS)})")
+        ref = node.get("$ref")
+        if ref is not None and not (isinstance(ref, str) and ref.startswith("#/")):
+            raise SchemaError(f"{path}.$ref: only local references (#/...) are supported")
+        pattern = node.get("pattern")
+        if pattern is not None and not (
+            isinstance(pattern, str) and pattern.startswith("^") and pattern.endswith("$")
+        ):
+            raise SchemaError(f"{path}.pattern: only anchored patterns (^...$) are supported")
+        _combination(path, node)
+
+
+#: Keywords the converter reads only when another one is there (else it drops them).
+_NEEDS = {
+    "minItems": "items",
+    "maxItems": "items",
+    "required": "properties",
+}
+_ALONE = ("$ref", "anyOf", "enum", "const")  # the converter reads these and nothing beside
+
+
+def _combination(path: str, node: dict[str, Any]) -> None:
+    """Refuse keyword combinations the converter would enforce only in part."""
+    keys = set(node) - _ANNOTATIONS
+    for key, needed in _NEEDS.items():
+        if key in node and not isinstance(node.get(needed), dict):
+            raise SchemaError(f"{path}.{key} is only supported beside {needed!r}")
+    if ("minLength" in node or "maxLength" in node) and node.get("type") != "string":
+        raise SchemaError(f'{path}: minLength/maxLength need "type": "string"')
+    if "required" in node:
+        required = node["required"]
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise SchemaError(f"{path}.required must be a list of property names")
+        missing = [r for r in required if r not in node["properties"]]
+        if missing:
+            raise SchemaError(f"{path}.required names {missing[0]!r}, which is not in properties")
+    for key in _ALONE:
+        if key in node and keys - {key, "type"}:
+            other = sorted(keys - {key, "type"})[0]
+            raise SchemaError(f"{path}: {other!r} beside {key!r} is not supported")
+    if isinstance(node.get("type"), list) and keys - {"type"}:
+        raise SchemaError(f"{path}: a list of types beside other keywords is not supported")
+    if "prefixItems" in node and keys & {"items", "minItems", "maxItems"}:
+        raise SchemaError(f"{path}: prefixItems beside items/minItems/maxItems is not supported")
+    if "pattern" in node and keys & {"minLength", "maxLength", "format"}:
+        raise SchemaError(f"{path}: pattern beside minLength/maxLength/format is not supported")
+    if "format" in node and keys & {"minLength", "maxLength"}:
+        raise SchemaError(f"{path}: format beside minLength/maxLength is not supported")
+
+
+def _nodes(schema: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """Every subschema of ``schema`` with its path, depth first (iteratively)."""
+    stack = [(path, schema)]
+    while stack:
+        here, node = stack.pop()
+        yield here, node
+        if not isinstance(node, dict):
+            continue
+        for key in ("properties", "$defs", "definitions"):
+            children = node.get(key)
+            if isinstance(children, dict):
+                stack += [(f"{here}.{key}.{k}", v) for k, v in children.items()]
+            elif children is not None:
+                raise SchemaError(f"{here}.{key} must be an object")
+        for key in ("anyOf", "prefixItems"):
+            children = node.get(key)
+            if isinstance(children, list) and children:
+                stack += [(f"{here}.{key}[{i}]", v) for i, v in enumerate(children)]
+            elif children is not None:
+                raise SchemaError(f"{here}.{key} must be a non-empty list")
+        for key in ("items", "additionalProperties"):
+            child = node.get(key)
+            if isinstance(child, dict):
+                stack.append((f"{here}.{key}", child))
+            elif isinstance(child, list) and key == "items":
+                stack += [(f"{here}.items[{i}]", v) for i, v in enumerate(child)]
+            elif child is not None and not isinstance(child, bool):
+                raise SchemaError(f"{here}.{key} must be a schema")
+
+
+def _convert(schemas: Sequence[tuple[str, Any]]) -> str:
+    """The GBNF rules of each ``(rule name, schema)``, in one converter."""
+    module = _converter_module()
+    converter = module.SchemaConverter(
+        prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False
+    )
+    try:
+        for name, schema in schemas:
+            resolved = converter.resolve_refs(copy.deepcopy(schema), name)
+            converter.visit(resolved, name)
+        grammar: str = converter.format_grammar()
+    except (AssertionError, KeyError, TypeError, ValueError, RecursionError, IndexError) as exc:
+        raise SchemaError(f"the schema cannot be turned into a grammar: {exc!s:.200}") from None
+    return grammar.replace(_LOOSE_CHAR, _JSON_CHAR)
+
+
+def schema_grammar(schema: Any, where: str = "json_schema.schema") -> str:
+    """The grammar of the JSON values ``schema`` allows (checked by :func:`check_schema`)."""
+    check_schema(schema, where)
+    return _convert([("", schema)])
+
+
+def tool_call_grammar(functions: Sequence[tuple[str, Any]], *, parallel: bool) -> str:
+    """Tool calls to one of ``functions`` (``(name, parameters schema)``), in the default
+    format; with ``parallel``, one or more of them."""
+    if sum("$ref" in json.dumps(p) for _, p in functions) > 1:
+        raise SchemaError("tools: $ref in more than one function's parameters is not supported")
+    schemas = []
+    for i, (name, params) in enumerate(functions):
+        check_schema(params, f"tools[{i}].function.parameters")
+        call = {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": params},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        schemas.append((f"fn{i}", call))
+    rules = _convert(schemas)
+    open_, close = json.dumps(TOOL_CALL_OPEN), json.dumps(TOOL_CALL_CLOSE)
+    alternatives = " | ".join(f"fn{i}" for i in range(len(schemas)))
+    call_rule = f"call ::= {open_} ( {alternatives} ) {close}"
+    root = 'root ::= call ( "\\n" call )*' if parallel else "root ::= call"
+    return f"{root}\n{call_rule}\n{rules}"

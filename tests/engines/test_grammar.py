@@ -1,0 +1,157 @@
+"""Grammars: which schema keywords are refused, the JSON-string fix to llama.cpp's
+converter, and the closing path on the demo model's real vocabulary and llama.cpp's
+real grammar sampler."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import pytest
+
+from qrtest import demo_model_dir
+from quantroute.engines.grammar import (
+    SchemaError,
+    check_schema,
+    json_object_grammar,
+    schema_grammar,
+    tool_call_grammar,
+)
+
+
+@pytest.mark.parametrize(
+    ("schema", "named"),
+    [
+        ({"type": "integer", "minimum": 0}, "'minimum'"),
+        ({"type": "number", "multipleOf": 2}, "'multipleOf'"),
+        ({"oneOf": [{"type": "string"}]}, "'oneOf'"),
+        ({"allOf": [{"type": "string"}]}, "'allOf'"),
+        ({"not": {"type": "string"}}, "'not'"),
+        ({"type": "array", "items": {}, "uniqueItems": True}, "'uniqueItems'"),
+        ({"type": "object", "properties": {"a": {"if": {}}}}, "schema.properties.a"),
+        ({"type": "string", "format": "email"}, "'email'"),
+        ({"type": "string", "pattern": "ab"}, "anchored"),
+        ({"$ref": "https://example.com/s.json"}, "local references"),
+        ({"type": "array", "minItems": 2}, "minItems"),
+        ({"type": "object", "required": ["a"], "properties": {}}, "'a'"),
+        ({"enum": ["a"], "items": {}}, "'items' beside 'enum'"),
+        ({"type": ["object", "null"], "properties": {}}, "list of types"),
+        ({"type": "strin"}, "'strin'"),
+        ([1], "must be an object"),
+    ],
+)
+def test_unenforceable_schemas_are_refused_by_name(schema: Any, named: str) -> None:
+    with pytest.raises(SchemaError, match=named.replace("(", r"\(")):
+        check_schema(schema)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {},
+        {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}},
+        {"type": "array", "items": {"enum": [1, "x", None]}, "minItems": 1, "maxItems": 2},
+        {"$defs": {"p": {"type": "boolean"}}, "type": "object",
+         "properties": {"p": {"$ref": "#/$defs/p"}}, "required": ["p"]},
+        {"anyOf": [{"type": "null"}, {"type": "string", "format": "date"}]},
+        {"type": "string", "pattern": "^[a-z]{2,4}$", "title": "t", "description": "d"},
+    ],
+)  # fmt: skip
+def test_enforceable_schemas_convert(schema: dict[str, Any]) -> None:
+    assert "root ::=" in schema_grammar(schema)
+
+
+def test_strings_admit_no_raw_control_characters() -> None:
+    # llama.cpp's converter allows [^"\\] (a raw newline, which JSON forbids); ours not
+    grammar = schema_grammar({"type": "string"})
+    assert r'char ::= [^"\\\x7F\x00-\x1F]' in grammar
+    assert r'char ::= [^"\\] |' not in grammar
+
+
+def test_tool_grammar_names_each_function() -> None:
+    grammar = tool_call_grammar([("f", {"type": "object"}), ("g", {})], parallel=False)
+    assert grammar.startswith("root ::= call\n") and '"\\"f\\""' in grammar
+    assert "( fn0 | fn1 )" in tool_call_grammar([("f", {}), ("g", {})], parallel=True)
+
+
+# ---- on llama.cpp's own sampler ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vocab() -> Iterator[tuple[Any, int, list[bytes], list[int]]]:
+    import llama_cpp as lc
+
+    lc.llama_backend_init()
+    params = lc.llama_model_default_params()
+    params.vocab_only = True
+    model = lc.llama_model_load_from_file(str(demo_model_dir() / "q8_0.gguf").encode(), params)
+    v = lc.llama_model_get_vocab(model)
+    n = lc.llama_vocab_n_tokens(v)
+    buf = ctypes.create_string_buffer(256)
+    pieces = []
+    for t in range(n):
+        k = lc.llama_token_to_piece(v, t, buf, 256, 0, False)
+        pieces.append(buf.raw[: max(k, 0)])
+    eog = [t for t in range(n) if lc.llama_vocab_is_eog(v, t)]
+    yield v, n, pieces, eog
+    lc.llama_model_free(model)
+    from llama_cpp import _utils  # opens os.devnull twice at import and never closes it
+
+    _utils.outnull_file.close()
+    _utils.errnull_file.close()
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "string", "minLength": 2},
+        "b": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+        "c": {"enum": ["x", "yz"]},
+        "d": {"type": "boolean"},
+    },
+    "required": ["a", "b", "c", "d"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("grammar", [json_object_grammar(), schema_grammar(SCHEMA)])
+def test_the_closing_path_ends_valid_from_anywhere(
+    vocab: tuple[Any, int, list[bytes], list[int]], grammar: str
+) -> None:
+    """Random allowed tokens first (as a model at temperature 1 might), then the closing
+    path: its length is what ``closing_length`` said, and the text validates."""
+    import numpy as np
+
+    from quantroute.engines.constrained import ClosingOrder, Grammar
+
+    v, n, pieces, eog = vocab
+    order = ClosingOrder(pieces, eog)
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        g = Grammar(v, n, grammar, order)
+        text = b""
+        for _ in range(trial * 3):
+            allowed = np.flatnonzero(np.isfinite(g.mask(np.zeros(n, dtype=np.float32))))
+            allowed = [t for t in allowed if t not in eog]
+            if not allowed:
+                break
+            token = int(rng.choice(allowed))
+            g.accept(token)
+            text += pieces[token]
+        length = g.closing_length(500)
+        assert length is not None
+        steps = 0
+        while (token := g.closing_token()) not in eog:
+            g.accept(token)
+            text += pieces[token]
+            steps += 1
+        g.close()
+        assert steps == length
+        value = json.loads(text.decode("utf-8", "replace"))  # as the worker decodes
+        if "properties" in grammar and "a-kv" in grammar:
+            jsonschema.validate(value, SCHEMA)
+        else:
+            assert isinstance(value, dict)

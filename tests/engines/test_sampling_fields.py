@@ -1,0 +1,107 @@
+"""Penalties, min_p and the sampling distribution against a reference computation on
+fixed logits: plain Python loops, written from vLLM's and OpenAI's definitions."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from quantroute.engines.sampling import Penalties, distribution, penalize, sample
+
+LOGITS = [2.0, -1.0, 0.5, 3.0, -np.inf, 0.0, 1.5, -2.5]
+PROMPT = [0, 5]
+GENERATED = [3, 3, 1, 6, 3]
+
+
+def _reference_penalize(logits: list[float], p: Penalties) -> list[float]:
+    out = []
+    for token, x in enumerate(logits):
+        if p.repetition != 1.0 and (token in PROMPT or token in GENERATED) and math.isfinite(x):
+            x = x / p.repetition if x > 0 else x * p.repetition
+        count = GENERATED.count(token)
+        x -= p.frequency * count + p.presence * (1 if count else 0)
+        out.append(x)
+    return out
+
+
+def _reference_distribution(
+    logits: list[float], temperature: float, top_p: float, top_k: int, min_p: float
+) -> list[float]:
+    best = max(logits)
+    weights = [math.exp((x - best) / temperature) if math.isfinite(x) else 0.0 for x in logits]
+    order = sorted(range(len(logits)), key=lambda t: -weights[t])
+    if top_k:
+        order = order[:top_k]
+    total = sum(weights[t] for t in order)
+    probs = {t: weights[t] / total for t in order}
+    if top_p < 1:
+        kept, mass = [], 0.0
+        for t in order:
+            kept.append(t)
+            mass += probs[t]
+            if mass >= top_p:
+                break
+        total = sum(probs[t] for t in kept)
+        probs = {t: probs[t] / total for t in kept}
+    if min_p:
+        top = max(probs.values())
+        probs = {t: q for t, q in probs.items() if q >= min_p * top}
+        total = sum(probs.values())
+        probs = {t: q / total for t, q in probs.items()}
+    return [probs.get(t, 0.0) for t in range(len(logits))]
+
+
+def _state() -> tuple[np.ndarray, np.ndarray]:
+    counts = np.zeros(len(LOGITS), dtype=np.int32)
+    seen = np.zeros(len(LOGITS), dtype=np.bool_)
+    seen[PROMPT] = True
+    for t in GENERATED:
+        counts[t] += 1
+        seen[t] = True
+    return counts, seen
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        Penalties(),
+        Penalties(presence=0.7),
+        Penalties(frequency=0.4),
+        Penalties(presence=-1.0, frequency=-0.3),
+        Penalties(repetition=1.3),
+        Penalties(repetition=0.8),
+        Penalties(presence=2.0, frequency=2.0, repetition=2.0),
+    ],
+)
+def test_penalties_match_the_reference(penalties: Penalties) -> None:
+    counts, seen = _state()
+    got = penalize(np.array(LOGITS, dtype=np.float32), penalties, counts, seen)
+    want = _reference_penalize(LOGITS, penalties)
+    assert np.allclose(got, want, rtol=1e-6) and np.isneginf(got[4])
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "top_k", "min_p"),
+    [(1.0, 1.0, 0, 0.0), (0.7, 1.0, 0, 0.2), (1.3, 0.8, 0, 0.05), (1.0, 1.0, 3, 0.5),
+     (2.0, 0.95, 5, 0.1), (0.5, 1.0, 0, 1.0)],
+)  # fmt: skip
+def test_the_distribution_matches_the_reference(
+    temperature: float, top_p: float, top_k: int, min_p: float
+) -> None:
+    counts, seen = _state()
+    row = penalize(np.array(LOGITS), Penalties(0.5, 0.2, 1.2), counts, seen)
+    got = distribution(row, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+    want = _reference_distribution(list(row), temperature, top_p, top_k, min_p)
+    assert np.allclose(got, want, atol=1e-12)
+
+
+def test_sampling_draws_from_that_distribution() -> None:
+    rng = np.random.default_rng(0)
+    kwargs = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.15}
+    want = np.array(_reference_distribution(LOGITS, 1.0, 1.0, 0, 0.15))
+    draws = [sample(np.array(LOGITS), rng=rng, **kwargs).token for _ in range(20000)]  # type: ignore[arg-type]
+    freq = np.bincount(draws, minlength=len(LOGITS)) / len(draws)
+    assert np.all(freq[want == 0] == 0)
+    assert np.allclose(freq, want, atol=0.015)
