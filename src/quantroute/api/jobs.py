@@ -21,6 +21,7 @@ from quantroute.engines.base import (
 )
 from quantroute.engines.chat_template import ChatPrompt
 from quantroute.errors import EngineError, QuantrouteError
+from quantroute.observability import NULL_TRACE, RequestTrace
 from quantroute.resilience.admission import Ticket
 from quantroute.resilience.tenants import OPEN, Tenant
 from quantroute.routing.policy import Decision
@@ -53,6 +54,7 @@ class Job:
     deadline: float | None = None  # monotonic seconds; bounds the wait for the first token
     tenant: Tenant = OPEN
     ticket: Ticket | None = None  # its place among the model's running requests
+    trace: RequestTrace = NULL_TRACE  # its metrics, spans and log context
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +160,10 @@ class Run:
             raise ReaderStalledError(
                 f"the client read nothing for {self._stall_timeout_s:g} s; the stream was cut"
             ) from exc
+        if isinstance(event, TokenEvent):
+            self.job.trace.token(index)
+        elif isinstance(event, FinishEvent):
+            self.job.trace.choice_finished(index, event)
         if isinstance(event, FinishEvent):
             self._finished += 1
             self.usage_tokens += event.prompt_tokens + event.completion_tokens

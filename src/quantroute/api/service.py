@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from quantroute.api import views
@@ -29,6 +30,7 @@ from quantroute.errors import (
     RateLimitError,
     ServiceUnavailableError,
 )
+from quantroute.observability import RequestTrace
 from quantroute.resilience.tenants import OPEN, Tenant
 from quantroute.routing.policy import Decision, choose, explain, pinned
 from quantroute.routing.records import RequestShape
@@ -159,6 +161,13 @@ class Service:
         build its engine requests. The job holds its admission ticket from here on:
         ``start`` (or, if it is never started, :meth:`abandon`) gives it back."""
         headers = headers or {}
+        trace = self._gateway.observer.begin(req, headers, tenant.name)
+        with trace.failing():
+            return await self._prepare(req, headers, tenant, trace)
+
+    async def _prepare(
+        self, req: Request, headers: Mapping[str, str], tenant: Tenant, trace: RequestTrace
+    ) -> Job:
         check_limits(req, self._settings.limits)
         gateway = self._gateway
         route, _ = lookup(gateway.routes.current, req.model)
@@ -184,8 +193,10 @@ class Service:
             tenant=tenant.name,
             deadline=deadline,
         )
+        trace.admitted(route.name, ticket.waited_s)
         try:
             decision, branches = await self.decide(req, requirement, shape)
+            trace.routed(decision)
             prompt = None
             if isinstance(req, ChatCompletionRequest):
                 info = branches[0].engine.info
@@ -208,6 +219,8 @@ class Service:
                 tenant=tenant,
                 ticket=ticket,
             )
+            job = replace(job, trace=trace)
+            trace.bind(job.id)
         except BaseException:
             ticket.release()
             raise
@@ -221,7 +234,8 @@ class Service:
     async def start(self, job: Job) -> Run:
         """Run ``job`` on the first branch of its decision that gets to its first token
         (:meth:`quantroute.api.runner.Runner.start`)."""
-        return await self._runner.start(job)
+        with job.trace.failing():
+            return await self._runner.start(job)
 
     # -- views and operator actions ----------------------------------------------
 
@@ -238,8 +252,12 @@ class Service:
         return views.readiness_json(self._gateway)
 
     def metrics(self) -> bytes:
-        """Prometheus text exposition of branches and devices."""
+        """Prometheus text exposition: requests, routing, branches, devices."""
         return views.metrics_text(self._gateway)
+
+    def dashboard(self) -> dict[str, Any]:
+        """``GET /dashboard/data``: what the router did lately, for the status page."""
+        return self._gateway.observer.recent_json()
 
     def status(self) -> dict[str, Any]:
         """``GET /admin/status``: branch states, circuit breakers, the retry budget."""

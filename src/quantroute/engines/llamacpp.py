@@ -543,6 +543,8 @@ class LlamaCppEngine:
                 "deadline": s.deadline,
             },
         }
+        if request.trace_context:
+            command["tc"] = dict(request.trace_context)
         events = self._exchange(
             command, last="fin", idle_timeout_s=self._options.gen_idle_timeout_s
         )
@@ -557,7 +559,11 @@ class LlamaCppEngine:
                 elif kind == "fin":
                     self._supervisor.note_healthy()  # a finished generation: a healthy run
                     yield FinishEvent(
-                        FinishReason(item["reason"]), item["pt"], item["ct"], item["t"]
+                        FinishReason(item["reason"]),
+                        item["pt"],
+                        item["ct"],
+                        item["t"],
+                        tuple(item.get("tm", ())),
                     )
 
 
