@@ -32,6 +32,7 @@ from quantroute.observability.logs import ACCESS, CURRENT, LogContext
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
+    from opentelemetry.context import Context
     from opentelemetry.trace import Span
 
     from quantroute.observability.observer import Observer
@@ -131,15 +132,17 @@ class RequestTrace:
         self._span: Span | None = None
         self._gen: Span | None = None
         self._mark_ns = 0
+        self._context: Context | None = None
         tracer = observer.tracing.tracer
         if tracer is not None:
             from opentelemetry.trace import SpanKind
 
             self._mark_ns = time.time_ns()
             model = attributes.get("gen_ai.request.model", "")
+            self._context = observer.tracing.extract(headers)  # with the client's baggage
             self._span = tracer.start_span(
                 f"{attributes.get('gen_ai.operation.name', kind)} {model}",
-                context=observer.tracing.extract(headers),
+                context=self._context,
                 kind=SpanKind.SERVER,
                 attributes={k: v for k, v in attributes.items() if v is not None},
                 start_time=self._mark_ns,
@@ -204,7 +207,7 @@ class RequestTrace:
             return request
         from opentelemetry.trace import set_span_in_context
 
-        context = self._obs.tracing.inject(set_span_in_context(self._gen))
+        context = self._obs.tracing.inject(set_span_in_context(self._gen, self._context))
         return dataclasses.replace(request, trace_context=context)
 
     def attempt_failed(self, branch: BranchLike, exc: BaseException) -> None:
