@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import HistogramMetricFamily, Metric
@@ -88,9 +89,14 @@ class TokenGaps(Collector):
 
 
 class Instruments:
-    """Every event-driven metric family, in a registry of their own (never the global one)."""
+    """Every event-driven metric family, in a registry of their own (never the global one).
+
+    :meth:`of` is ``family.labels(*values)`` with the child kept: a request's hooks
+    find their series with one dict lookup (the label values are bounded: route and
+    branch names, tenants, statuses, reasons; never a client's free text)."""
 
     def __init__(self) -> None:
+        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
         self.registry = r = CollectorRegistry()
         req = ["model", "branch", "tenant"]
         self.requests = Counter(
@@ -158,3 +164,10 @@ class Instruments:
             ["model", "branch"],
             registry=r,
         )
+
+    def of(self, family: Counter | Histogram, *values: str) -> Any:
+        key = (family._name, values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(*values)
+        return child

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -123,10 +124,7 @@ class RequestTrace:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.finish_reasons: list[str] = []
-        self._gaps = observer.instruments.token_gaps.local()
-        self._bucket = observer.instruments.token_gaps.bucket
-        self._gap_sum = 0.0
-        self._last: dict[int, float] = {}
+        self._stamps: dict[int, list[float]] = {}  # per choice: when each token came
         self.log = LogContext(tenant=tenant)
         CURRENT.set(self.log)
         self._span: Span | None = None
@@ -154,13 +152,15 @@ class RequestTrace:
     def admitted(self, model: str, waited_s: float) -> None:
         """It got its place in ``model``'s admission queue after ``waited_s``."""
         self.model = model
-        self._obs.instruments.queue_wait.labels(model).observe(waited_s)
+        ins = self._obs.instruments
+        ins.of(ins.queue_wait, model).observe(waited_s)
         self._child("quantroute.admission", {"quantroute.queue.wait_s": waited_s})
 
     def routed(self, decision: DecisionLike) -> None:
         self.reason = decision.reason
         first = decision.branch_ids[0].partition(":")[2] if decision.branch_ids else "none"
-        self._obs.instruments.decisions.labels(self.model, first, decision.reason).inc()
+        ins = self._obs.instruments
+        ins.of(ins.decisions, self.model, first, decision.reason).inc()
         self._child(
             "quantroute.routing",
             {
@@ -221,19 +221,18 @@ class RequestTrace:
         self.committed = True
         self.ttft_s = _perf() - self.t0
         assert self.branch is not None
-        self._obs.instruments.ttft.labels(self.model, self.branch.name).observe(self.ttft_s)
+        ins = self._obs.instruments
+        ins.of(ins.ttft, self.model, self.branch.name).observe(self.ttft_s)
         if self._gen is not None:
             self._gen.add_event("gen_ai.first_token", {"quantroute.ttft_s": self.ttft_s})
 
     def token(self, index: int) -> None:
-        """A token of choice ``index`` reached the gateway (the hot path)."""
-        now = _perf()
-        last = self._last.get(index)
-        self._last[index] = now
-        if last is not None:
-            gap = now - last
-            self._gaps[self._bucket(gap)] += 1
-            self._gap_sum += gap
+        """A token of choice ``index`` reached the gateway (the hot path: a clock read
+        and an append; the gaps are counted when the request ends)."""
+        try:
+            self._stamps[index].append(_perf())
+        except KeyError:
+            self._stamps[index] = [_perf()]
 
     def choice_finished(self, index: int, event: FinishLike) -> None:
         if index % self.n == 0:
@@ -273,19 +272,28 @@ class RequestTrace:
         duration_s = _perf() - self.t0
         branch = self.branch.name if self.committed and self.branch is not None else "none"
         m, ins, code = self.model, self._obs.instruments, str(status)
-        ins.requests.labels(m, branch, self.tenant, code).inc()
-        ins.duration.labels(m, branch, code).observe(duration_s)
+        ins.of(ins.requests, m, branch, self.tenant, code).inc()
+        ins.of(ins.duration, m, branch, code).observe(duration_s)
         if self.committed:
-            ins.prompt_tokens.labels(m, branch, self.tenant).inc(self.prompt_tokens)
-            ins.completion_tokens.labels(m, branch, self.tenant).inc(self.completion_tokens)
-            if self._gap_sum or any(self._gaps):
-                ins.token_gaps.merge(m, branch, self._gaps, self._gap_sum)
+            ins.of(ins.prompt_tokens, m, branch, self.tenant).inc(self.prompt_tokens)
+            ins.of(ins.completion_tokens, m, branch, self.tenant).inc(self.completion_tokens)
+            self._merge_gaps(m, branch)
         self._obs.recent.add(self, status, duration_s, time.time())
-        if self._obs.settings.access_log:
+        if self._obs.settings.access_log and ACCESS.isEnabledFor(logging.INFO):
             self._access(status, branch, duration_s, error)
         if self._span is not None:
             self._end_spans(status, error)
         self.log.open = False
+
+    def _merge_gaps(self, model: str, branch: str) -> None:
+        gaps = self._obs.instruments.token_gaps
+        counts, total, bucket = gaps.local(), 0.0, gaps.bucket
+        for stamps in self._stamps.values():
+            for before, after in itertools.pairwise(stamps):
+                counts[bucket(after - before)] += 1
+                total += after - before
+        if total or any(counts):
+            gaps.merge(model, branch, counts, total)
 
     def _access(
         self, status: int, branch: str, duration_s: float, error: BaseException | None
@@ -324,7 +332,8 @@ class RequestTrace:
     def _fall_to(self, to: str) -> None:
         for source, reason in self._pending:
             self.fallbacks.append((source, to, reason))
-            self._obs.instruments.fallbacks.labels(self.model, source, to, reason).inc()
+            ins = self._obs.instruments
+            ins.of(ins.fallbacks, self.model, source, to, reason).inc()
             if self._span is not None:
                 self._span.add_event(
                     "quantroute.fallback",
