@@ -71,18 +71,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from quantroute.api.app import create_app
+    from quantroute.observability import configure_logging
 
     settings = _settings(args)
-    logging.basicConfig(
-        level=settings.server.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    obs = settings.observability
+    configure_logging(settings.server.log_level, obs.log_format)
     app = create_app(settings)
     uvicorn.run(
         app,
         host=settings.server.host,
         port=settings.server.port,
         log_level=settings.server.log_level,
+        log_config=None,  # uvicorn's lines go through our handler (JSON or plain)
+        access_log=not obs.access_log,  # ours carries tokens, TTFT and the request id
         timeout_graceful_shutdown=10,
     )
     return 0

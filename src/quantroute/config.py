@@ -598,6 +598,36 @@ class RoutingSettings(_Frozen):
         return self
 
 
+class ObservabilitySettings(BaseModel):
+    """Traces, logs and the status page (``observability/``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP traces endpoint (http://collector:4318/v1/traces); unset: "
+        "no traces, at near-zero cost.",
+    )
+    service_name: str = Field("quantroute", description="service.name of the traces.")
+    sample_ratio: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Fraction of new traces kept; a client's traceparent decides for its own.",
+    )
+    log_format: Literal["auto", "json", "plain"] = Field(
+        "auto",
+        description="Log lines: 'json' (one object a line), 'plain', or 'auto' "
+        "(plain on a terminal, JSON otherwise).",
+    )
+    access_log: bool = Field(
+        True, description="One log line per generation request: status, tokens, TTFT, duration."
+    )
+    recent_decisions: int = Field(
+        512, ge=1, le=65536, description="Routing decisions kept for the status page."
+    )
+
+
 class Settings(BaseSettings):
     """Everything quantroute can be told. See docs/configuration.md."""
 
@@ -616,6 +646,7 @@ class Settings(BaseSettings):
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)  # type: ignore[arg-type]
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     streams: StreamSettings = Field(default_factory=StreamSettings)  # type: ignore[arg-type]
+    observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)  # type: ignore[arg-type]
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:

@@ -42,6 +42,7 @@ from quantroute.engines.exits import crashed
 from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
 from quantroute.engines.llamacpp_build import probe_build
 from quantroute.engines.supervisor import RestartPolicy
+from quantroute.observability import Observer
 from quantroute.quality.drift import Baseline, DriftMonitor, Replay
 from quantroute.quality.profile import load_profiles
 from quantroute.registry.repository import scan_repository
@@ -205,6 +206,7 @@ class Gateway:
             popularity=self.popularity,
             stale_free_cap_bytes=settings.routing.tight_free_bytes - 1,
         )
+        self.observer = Observer(settings.observability, device_of=self._device_of)
         self.service = Service(self)
         self._branch_of: dict[int, Branch] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -273,6 +275,7 @@ class Gateway:
             await branch.engine.stop()
         await self.poller.stop()
         self._provider.close()
+        self.observer.shutdown()  # last: the spans of the requests that just ended
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -297,6 +300,10 @@ class Gateway:
         )
 
     # -- what the service reports back ----------------------------------------
+
+    def _device_of(self, branch_id: str) -> str | None:
+        placement = self.occupancy.get(branch_id)
+        return placement.device if placement is not None else None
 
     def capacity(self, model: str) -> int:
         """Requests of ``model`` that may run at once: its routable branches' slots."""
@@ -326,6 +333,7 @@ class Gateway:
         branch = self._branch_of.get(id(engine))
         if branch is not None:
             self.occupancy.unloaded(branch.id, crashed=crashed(returncode) or returncode != 0)
+            self.observer.worker_restarted(branch.model, branch.name)
 
     def engine_failed(self, engine: Engine, cause: str) -> None:
         branch = self._branch_of.get(id(engine))

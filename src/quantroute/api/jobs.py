@@ -22,6 +22,7 @@ from quantroute.engines.base import (
 )
 from quantroute.engines.chat_template import ChatPrompt
 from quantroute.errors import EngineError, QuantrouteError
+from quantroute.observability import NULL_TRACE, RequestTrace
 from quantroute.resilience.admission import Ticket
 from quantroute.resilience.tenants import OPEN, Tenant
 from quantroute.routing.policy import Decision
@@ -56,6 +57,7 @@ class Job:
     ticket: Ticket | None = None  # its place among the model's running requests
     tools: bool = False  # read tool calls out of the replies (api/tools.py)
     parallel_tool_calls: bool = True
+    trace: RequestTrace = NULL_TRACE  # its metrics, spans and log context
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +189,10 @@ class Run:
         else:  # the common case: room now, so no timer
             await self._room.acquire()
         self._queue.put_nowait((index, event))
+        if isinstance(event, TokenEvent):
+            self.job.trace.token(index)
+        elif isinstance(event, FinishEvent):
+            self.job.trace.choice_finished(index, event)
         if isinstance(event, FinishEvent):
             self._finished += 1
             self.usage_tokens += event.prompt_tokens + event.completion_tokens

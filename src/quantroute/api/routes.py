@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -24,6 +24,7 @@ from quantroute.api.service import Service
 from quantroute.api.sse import payloads, sse_stream
 from quantroute.engines.base import StartEvent
 from quantroute.errors import InvalidRequestError
+from quantroute.observability.dashboard import DASHBOARD_HTML
 from quantroute.resilience.resume import Stream, StreamStore
 from quantroute.resilience.tenants import Tenant
 
@@ -179,6 +180,18 @@ async def model(request: Request, model_id: str, tenant: Client) -> dict[str, An
 async def metrics(request: Request) -> Response:
     """Prometheus metrics of branches and devices (text exposition format)."""
     return Response(_service(request).metrics(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/dashboard", response_class=HTMLResponse)
+async def dashboard() -> HTMLResponse:
+    """The status page: plain HTML whose script reads the JSON endpoints below."""
+    return HTMLResponse(DASHBOARD_HTML, headers={"cache-control": "no-cache"})
+
+
+@router.get("/dashboard/data", dependencies=[Depends(require_key_if("protect_metrics"))])
+async def dashboard_data(request: Request) -> dict[str, Any]:
+    """What the router did in the last minute, and the last requests (for the page)."""
+    return _service(request).dashboard()
 
 
 @router.get("/healthz")

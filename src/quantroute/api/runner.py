@@ -59,14 +59,17 @@ class Runner:
         try:
             for branch in job.branches:
                 if not gateway.breakers.acquire(branch.id):
+                    job.trace.skipped(branch, "breaker_open")
                     continue  # open: its own rejection, never counted as a failure
                 if tried and not budget.try_retry():
                     gateway.breakers.release(branch.id)
+                    job.trace.skipped(branch, "retry_budget")
                     log.warning("job %s: retry budget spent; not trying %s", job.id, branch.id)
                     break
                 retries += 1 if tried else 0
                 tried += 1
                 try:
+                    job.trace.attempt(branch)
                     run = await self._open(job, branch, retries)
                 except ContextLengthExceededError as exc:
                     gateway.breakers.release(branch.id)  # the request's fault, not the branch's
@@ -74,6 +77,7 @@ class Runner:
                     raise
                 except EngineError as exc:
                     gateway.breakers.failure(branch.id)
+                    job.trace.attempt_failed(branch, exc)
                     last = exc
                     log.warning(
                         "job %s: branch %s failed before its first token: %s",
@@ -112,7 +116,7 @@ class Runner:
         try:
             async with asyncio.timeout(timeout_s):
                 for request in job.requests:
-                    stream = aiter(branch.engine.generate(request))
+                    stream = aiter(branch.engine.generate(job.trace.carry(request)))
                     streams.append(stream)
                     first = await anext(stream)
                     if not isinstance(first, StartEvent):
@@ -122,6 +126,7 @@ class Runner:
                     while not isinstance(events[-1], TokenEvent | FinishEvent):
                         events.append(await anext(stream))
                     pending.append(events)
+            job.trace.first_token()
         except TimeoutError as exc:
             await close_all(streams)
             if by_deadline:  # the client's deadline, not the branch's failure: no fallback
@@ -142,6 +147,7 @@ class Runner:
         def done(run: Run, ok: bool | None) -> None:
             self._gateway.retry_budget.finish(retries)
             self.abandon(job, run.usage_tokens)
+            job.trace.done(ok)
             if ok is True:
                 self._gateway.breakers.success(branch.id)
             elif ok is False:

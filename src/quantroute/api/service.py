@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from quantroute.api import views
@@ -35,6 +36,7 @@ from quantroute.errors import (
     RateLimitError,
     ServiceUnavailableError,
 )
+from quantroute.observability import RequestTrace
 from quantroute.resilience.tenants import OPEN, Tenant
 from quantroute.routing.policy import Decision, choose, explain, pinned
 from quantroute.routing.records import RequestShape
@@ -166,6 +168,13 @@ class Service:
         build its engine requests. The job holds its admission ticket from here on:
         ``start`` (or, if it is never started, :meth:`abandon`) gives it back."""
         headers = headers or {}
+        trace = self._gateway.observer.begin(req, headers, tenant.name)
+        with trace.failing():
+            return await self._prepare(req, headers, tenant, trace)
+
+    async def _prepare(
+        self, req: Request, headers: Mapping[str, str], tenant: Tenant, trace: RequestTrace
+    ) -> Job:
         check_limits(req, self._settings.limits)
         gateway = self._gateway
         route, _ = lookup(gateway.routes.current, req.model)
@@ -181,17 +190,18 @@ class Service:
             )
         stamp = gateway.limits.started(tenant)  # counted now: no wait since the check
         try:
-            return await self._admit(req, headers, tenant, route.name)
+            return await self._admit(req, headers, tenant, route.name, trace)
         except BaseException:
             gateway.limits.withdrawn(tenant, stamp)
             raise
 
     async def _admit(
         self,
-        req: ChatCompletionRequest | CompletionRequest,
+        req: Request,
         headers: Mapping[str, str],
         tenant: Tenant,
         model: str,
+        trace: RequestTrace,
     ) -> Job:
         """The model's admission queue, routing and the engine requests of ``prepare``."""
         gateway = self._gateway
@@ -207,11 +217,13 @@ class Service:
             tenant=tenant.name,
             deadline=deadline,
         )
+        trace.admitted(model, ticket.waited_s)
         try:
             decision, branches = await self.decide(req, requirement, shape)
             info = branches[0].engine.info
             if info is not None:  # a model's branches share one vocabulary
                 check_vocabulary(req, info.n_vocab)
+            trace.routed(decision)
             prompt = None
             if isinstance(req, ChatCompletionRequest):
                 limits = self._settings.limits
@@ -238,6 +250,8 @@ class Service:
                 tenant=tenant,
                 ticket=ticket,
             )
+            job = replace(job, trace=trace)
+            trace.bind(job.id)
         except BaseException:
             ticket.release()
             raise
@@ -250,7 +264,8 @@ class Service:
     async def start(self, job: Job) -> Run:
         """Run ``job`` on the first branch of its decision that gets to its first token
         (:meth:`quantroute.api.runner.Runner.start`)."""
-        return await self._runner.start(job)
+        with job.trace.failing():
+            return await self._runner.start(job)
 
     # -- views and operator actions ----------------------------------------------
 
@@ -271,8 +286,12 @@ class Service:
         return views.readiness_json(self._gateway)
 
     def metrics(self) -> bytes:
-        """Prometheus text exposition of branches and devices."""
+        """Prometheus text exposition: requests, routing, branches, devices."""
         return views.metrics_text(self._gateway)
+
+    def dashboard(self) -> dict[str, Any]:
+        """``GET /dashboard/data``: what the router did lately, for the status page."""
+        return self._gateway.observer.recent_json()
 
     def status(self) -> dict[str, Any]:
         """``GET /admin/status``: branch states, circuit breakers, the retry budget."""

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from quantroute.errors import NotFoundError
-from quantroute.observability import render_metrics
-from quantroute.observability.metrics import BranchSample, DeviceSample
+from quantroute.observability.metrics import BranchSample, DeviceSample, ModelSample
 from quantroute.quality.profile import BranchProfile
 from quantroute.resilience import OPEN, BreakerState, Tenant
 from quantroute.routing.table import Branch
@@ -57,6 +56,7 @@ def models_json(gateway: Gateway, tenant: Tenant = OPEN) -> dict[str, Any]:
                     "sha256": b.artifact.sha256,
                     "size_bytes": b.artifact.size_bytes,
                     "n_ctx": b.engine.info.n_ctx if b.engine.info else None,
+                    "in_flight": b.engine.in_flight,
                     "profile": _profile_json(b.profile),
                     "drift": _drift_json(gateway, b.id),
                 }
@@ -229,7 +229,7 @@ class MetricsView:
 
     def branch_samples(self) -> list[BranchSample]:
         gateway = self.gateway
-        samples = []
+        samples, now = [], time.monotonic()
         for b in gateway.routes.current.branches():
             placement = gateway.occupancy.get(b.id)
             state = gateway.drift.state(b.id)
@@ -250,6 +250,9 @@ class MetricsView:
                     degraded=state.degraded,
                     window_kld=last.mean_kld if last else None,
                     window_top1=last.top1 if last else None,
+                    breaker_state=gateway.breakers.get(b.id).state(now).value,
+                    profile_kld=b.profile.mean_kld if b.profile else None,
+                    profile_top1=b.profile.top1 if b.profile else None,
                 )
             )
         return samples
@@ -265,10 +268,20 @@ class MetricsView:
                 free_bytes=d.free_bytes,
                 free_for_routing_bytes=gateway.margin.headroom(d),
                 health=gateway.health.factor(d.id),
+                used_bytes=d.used_bytes,
+                utilization=d.utilization,
+                temperature_c=d.temperature_c,
             )
             for d in snapshot.devices
         ], snapshot.age_s()
 
+    def model_samples(self) -> list[ModelSample]:
+        admission = self.gateway.admission
+        return [
+            ModelSample(name, admission.waiting(name), admission.running(name))
+            for name in self.gateway.routes.current.models
+        ]
+
 
 def metrics_text(gateway: Gateway) -> bytes:
-    return render_metrics(MetricsView(gateway))
+    return gateway.observer.render(MetricsView(gateway))

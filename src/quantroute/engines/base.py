@@ -78,6 +78,9 @@ class GenerationRequest:
     # Parse special-token text (``<|im_start|>``) as special tokens: only for prompts a
     # model's chat template wrote, never for raw client text.
     parse_special: bool = False
+    # W3C trace context (traceparent, tracestate, baggage) of the request's generation
+    # span, for the engine to pass on: into its worker, or as headers of a remote call.
+    trace_context: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +107,9 @@ class FinishEvent:
     prompt_tokens: int
     completion_tokens: int
     text: str = ""  # held-back text released at the end (never part of a stop sequence)
+    # a traced request: the engine's wall-clock ns (time.time_ns) when it admitted the
+    # sequence, gave it a slot and finished it
+    worker_ns: tuple[int, ...] = ()
 
 
 EngineEvent = StartEvent | TokenEvent | FinishEvent

@@ -555,6 +555,8 @@ class LlamaCppEngine:
         }
         if request.prompt_ids is not None:
             command["prompt_ids"] = list(request.prompt_ids)
+        if request.trace_context:
+            command["tc"] = dict(request.trace_context)
         events = self._exchange(
             command, last="fin", idle_timeout_s=self._options.gen_idle_timeout_s
         )
@@ -569,7 +571,11 @@ class LlamaCppEngine:
                 elif kind == "fin":
                     self._supervisor.note_healthy()  # a finished generation: a healthy run
                     yield FinishEvent(
-                        FinishReason(item["reason"]), item["pt"], item["ct"], item["t"]
+                        FinishReason(item["reason"]),
+                        item["pt"],
+                        item["ct"],
+                        item["t"],
+                        tuple(item.get("tm", ())),
                     )
 
 

@@ -9,6 +9,8 @@ Commands::
 
     {"op": "gen", "id": "r1", "prompt": "...", "special": false, "s": {sampling}}
     {"op": "gen", "id": "r1", "prompt_ids": [1, 72, 105], "s": {sampling}}  (ids as they are)
+    {"op": "gen", "id": "r1", "prompt": "...", "special": false, "s": {sampling},
+     "tc": {"traceparent": "00-...", "baggage": "..."}}   ("tc" only when traced)
     {"op": "logits", "id": "r2", "prompt": "...", "special": false, "tokens": [101, 7],
      "path": "/dev/shm/quantroute-logits.<pid>.<hex>.f32"}
     {"op": "score", "id": "r3", "prompt": "...", "special": false, "tokens": [101, 7],
@@ -22,7 +24,7 @@ Events::
     {"ev": "ready", "info": {...EngineInfo...}}
     {"ev": "start", "id": "r1", "pt": 12}
     {"ev": "tok", "id": "r1", "t": "def", "tok": 101, "lp": -0.3, "top": [[id, text, lp]]}
-    {"ev": "fin", "id": "r1", "reason": "stop", "pt": 12, "ct": 40, "t": ""}
+    {"ev": "fin", "id": "r1", "reason": "stop", "pt": 12, "ct": 40, "t": "", "tm": [ns, ns, ns]}
     {"ev": "logits", "id": "r2", "path": "...", "shape": [2, 354]}
     {"ev": "scores", "id": "r3", "kld": [0.0012, 0.0], "top1": [true, true]}
     {"ev": "err", "id": "r1", "code": "context_length_exceeded", "msg": "...", ...}
@@ -49,6 +51,10 @@ shortest output is longer than ``max_tokens`` ``grammar_too_long``.
 
 Scheduling is continuous batching: every step puts the next token of every
 decoding sequence and a slice of any waiting prompt into one ``llama_decode``.
+
+A traced ``gen`` (with ``tc``, the W3C trace context of its generation span)
+gets ``tm`` on its ``fin``: wall-clock nanoseconds when it was admitted, got a
+slot and finished; the gateway turns them into the request's decode span.
 
 ``--fault`` is a test hook, off by default: ``sigill-at-first-decode`` dies of
 SIGILL right before the first ``llama_decode`` of a generation (as a build
@@ -131,6 +137,9 @@ class Sequence:
     generated: int = 0
     next_token: int | None = None  # sampled, not yet fed
     decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+    # a traced request (its gen command carried "tc"): wall-clock ns when admitted, given a
+    # slot, finished; sent back on "fin" as "tm" for the gateway's decode span
+    stamps: list[int] | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -349,6 +358,7 @@ class Worker:
                 float(s.get("repetition_penalty", 1.0)),
             ),
             deadline=None if s.get("deadline") is None else float(s["deadline"]),
+            stamps=[time.time_ns()] if cmd.get("tc") else None,
         )
         bias = [(int(t), float(b)) for t, b in s.get("logit_bias", ())]
         if any(not 0 <= t < self.n_vocab for t, _ in bias):
@@ -493,16 +503,17 @@ class Worker:
     def finish(self, seq: Sequence, reason: str) -> None:
         tail = seq.decoder.decode(b"", final=True)
         text = seq.stops.feed(tail) + seq.stops.flush() if reason != "cancelled" else ""
-        self.emit(
-            {
-                "ev": "fin",
-                "id": seq.rid,
-                "reason": reason,
-                "pt": len(seq.prompt),
-                "ct": seq.generated,
-                "t": text,
-            }
-        )
+        event: dict[str, Any] = {
+            "ev": "fin",
+            "id": seq.rid,
+            "reason": reason,
+            "pt": len(seq.prompt),
+            "ct": seq.generated,
+            "t": text,
+        }
+        if seq.stamps is not None:
+            event["tm"] = [*seq.stamps, time.time_ns()]
+        self.emit(event)
         self.release(seq)
 
     # -- the decode loop ------------------------------------------------------
@@ -520,6 +531,8 @@ class Worker:
             while self.waiting and self.free_slots:
                 seq = self.waiting.popleft()
                 seq.slot = self.free_slots.pop()
+                if seq.stamps is not None:
+                    seq.stamps.append(time.time_ns())
                 self.active[seq.rid] = seq
             if self.running and any(not seq.paused for seq in self.active.values()):
                 self.step()

@@ -1,4 +1,4 @@
-"""Prometheus metrics, collected when scraped: nothing is counted on the hot path.
+"""Prometheus metrics read when scraped (the counted ones are in ``instruments.py``).
 
 The collector reads the gateway's state through :class:`GatewayView` (a
 protocol, so this package imports nothing above core) and exposes:
@@ -11,6 +11,11 @@ metric                                     type   labels
                                                   or its file could not be loaded)
 ``quantroute_branch_breaker_open``        gauge  model, branch (its circuit breaker turns
                                                   requests away)
+``quantroute_branch_breaker_state``        gauge  model, branch, state (1 for the current one
+                                                  of closed, open, half_open)
+``quantroute_branch_profile_kld``          gauge  model, branch (profiled mean KLD vs the
+                                                  reference, nats per token)
+``quantroute_branch_profile_top1``         gauge  model, branch (profiled top-1 agreement)
 ``quantroute_branch_in_flight``            gauge  model, branch
 ``quantroute_branch_degraded``             gauge  model, branch (the drift monitor's verdict)
 ``quantroute_branch_drift_window_kld``     gauge  model, branch (mean KLD of the last window)
@@ -19,7 +24,12 @@ metric                                     type   labels
 ``quantroute_device_total_bytes``          gauge  device, kind
 ``quantroute_device_free_bytes``           gauge  device, kind
 ``quantroute_device_free_for_routing_bytes``  gauge  device, kind
+``quantroute_device_used_bytes``           gauge  device, kind
+``quantroute_device_utilization_ratio``    gauge  device, kind (0 to 1, where read)
+``quantroute_device_temperature_celsius``  gauge  device, kind (where read)
 ``quantroute_device_health``               gauge  device (exp(-λ · recent failures))
+``quantroute_queue_depth``                 gauge  model (requests waiting for admission)
+``quantroute_model_running_requests``      gauge  model (admitted, not finished)
 ``quantroute_device_snapshot_age_seconds`` gauge  (one series)
 =========================================  =====  =========================================
 """
@@ -49,6 +59,9 @@ class BranchSample:
     degraded: bool
     window_kld: float | None
     window_top1: float | None
+    breaker_state: str = "closed"
+    profile_kld: float | None = None
+    profile_top1: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +72,19 @@ class DeviceSample:
     free_bytes: int
     free_for_routing_bytes: int
     health: float
+    used_bytes: int = 0
+    utilization: float | None = None
+    temperature_c: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSample:
+    model: str
+    queued: int
+    running: int
+
+
+BREAKER_STATES = ("closed", "open", "half_open")
 
 
 class GatewayView(Protocol):
@@ -67,6 +93,8 @@ class GatewayView(Protocol):
     def branch_samples(self) -> list[BranchSample]: ...
 
     def device_samples(self) -> tuple[list[DeviceSample], float]: ...  # and the snapshot age
+
+    def model_samples(self) -> list[ModelSample]: ...
 
 
 class GatewayCollector(Collector):
@@ -113,8 +141,29 @@ class GatewayCollector(Collector):
             "Memory the branch occupies on its device.",
             labels=[*branch_labels, "device"],
         )
+        state = GaugeMetricFamily(
+            "quantroute_branch_breaker_state",
+            "The branch's circuit breaker is in this state (1).",
+            labels=[*branch_labels, "state"],
+        )
+        profile_kld = GaugeMetricFamily(
+            "quantroute_branch_profile_kld",
+            "Profiled mean KL divergence from the reference, nats per token.",
+            labels=branch_labels,
+        )
+        profile_top1 = GaugeMetricFamily(
+            "quantroute_branch_profile_top1",
+            "Profiled top-1 agreement with the reference.",
+            labels=branch_labels,
+        )
         for b in self._view.branch_samples():
             ids = [b.model, b.branch]
+            for name in BREAKER_STATES:
+                state.add_metric([*ids, name], float(b.breaker_state == name))
+            if b.profile_kld is not None:
+                profile_kld.add_metric(ids, b.profile_kld)
+            if b.profile_top1 is not None:
+                profile_top1.add_metric(ids, b.profile_top1)
             ready.add_metric([*ids, b.precision], float(b.ready))
             failed.add_metric(ids, float(b.failed))
             breaker.add_metric(ids, float(b.breaker_open))
@@ -126,6 +175,7 @@ class GatewayCollector(Collector):
                 top1.add_metric(ids, b.window_top1)
             footprint.add_metric([*ids, b.device], float(b.footprint_bytes))
         yield from (ready, failed, breaker, in_flight, degraded, kld, top1, footprint)
+        yield from (state, profile_kld, profile_top1)
 
         devices, age = self._view.device_samples()
         labels = ["device", "kind"]
@@ -141,12 +191,42 @@ class GatewayCollector(Collector):
         health = GaugeMetricFamily(
             "quantroute_device_health", "Device health factor in [0, 1].", labels=["device"]
         )
+        used = GaugeMetricFamily(
+            "quantroute_device_used_bytes", "Used device memory.", labels=labels
+        )
+        util = GaugeMetricFamily(
+            "quantroute_device_utilization_ratio",
+            "Device busy fraction, 0 to 1.",
+            labels=labels,
+        )
+        temperature = GaugeMetricFamily(
+            "quantroute_device_temperature_celsius", "Device temperature.", labels=labels
+        )
         for d in devices:
+            used.add_metric([d.device, d.kind], float(d.used_bytes))
+            if d.utilization is not None:
+                util.add_metric([d.device, d.kind], d.utilization)
+            if d.temperature_c is not None:
+                temperature.add_metric([d.device, d.kind], d.temperature_c)
             total.add_metric([d.device, d.kind], float(d.total_bytes))
             free.add_metric([d.device, d.kind], float(d.free_bytes))
             routable.add_metric([d.device, d.kind], float(d.free_for_routing_bytes))
             health.add_metric([d.device], d.health)
-        yield from (total, free, routable, health)
+        yield from (total, free, routable, health, used, util, temperature)
+        queued = GaugeMetricFamily(
+            "quantroute_queue_depth",
+            "Requests waiting in the model's admission queue.",
+            labels=["model"],
+        )
+        running = GaugeMetricFamily(
+            "quantroute_model_running_requests",
+            "Requests of the model admitted and not finished.",
+            labels=["model"],
+        )
+        for m in self._view.model_samples():
+            queued.add_metric([m.model], float(m.queued))
+            running.add_metric([m.model], float(m.running))
+        yield from (queued, running)
         yield GaugeMetricFamily(
             "quantroute_device_snapshot_age_seconds",
             "Age of the device reading routing uses.",

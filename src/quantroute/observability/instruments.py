@@ -1,0 +1,173 @@
+"""Prometheus metrics counted as things happen (the scrape-time ones are in ``metrics.py``).
+
+=============================================  =========  =================================
+metric                                         type       labels
+=============================================  =========  =================================
+``quantroute_requests_total``                  counter    model, branch, tenant, status
+``quantroute_prompt_tokens_total``             counter    model, branch, tenant
+``quantroute_completion_tokens_total``         counter    model, branch, tenant
+``quantroute_time_to_first_token_seconds``     histogram  model, branch
+``quantroute_inter_token_latency_seconds``     histogram  model, branch
+``quantroute_request_duration_seconds``        histogram  model, branch, status
+``quantroute_queue_wait_seconds``              histogram  model
+``quantroute_routing_decisions_total``         counter    model, branch, reason
+``quantroute_fallback_total``                  counter    model, from, to, reason
+``quantroute_worker_restarts_total``           counter    model, branch
+``quantroute_hot_reloads_total``               counter    outcome
+``quantroute_prompt_cache_hit_tokens_total``   counter    model, branch
+=============================================  =========  =================================
+
+``status`` is the HTTP status of the answer (``200``, ``429``, ``503``...), ``499``
+when the client left first, and ``502`` for a stream that ended in an engine
+error after its first token. ``branch`` is the branch that answered, ``none``
+when none did. A fallback's ``to`` is ``none`` when no branch was left to try.
+The prompt-cache hit rate of a branch is
+``rate(quantroute_prompt_cache_hit_tokens_total) / rate(quantroute_prompt_tokens_total)``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+DURATION_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class TokenGaps(Collector):
+    """The inter-token latency histogram, merged in per request.
+
+    A request counts its own gaps into a plain list (:meth:`local`, then
+    :func:`bisect` per token: no lock, no label lookup on the hot path) and
+    hands them over once, when it ends (:meth:`merge`).
+    """
+
+    name = "quantroute_inter_token_latency_seconds"
+
+    def __init__(self, bounds: tuple[float, ...] = ITL_BUCKETS_S):
+        self.bounds = bounds
+        self._lock = threading.Lock()
+        self._series: dict[tuple[str, str], tuple[list[int], list[float]]] = {}
+
+    def local(self) -> list[int]:
+        """Counts per bucket, the last one for +Inf."""
+        return [0] * (len(self.bounds) + 1)
+
+    def bucket(self, gap_s: float) -> int:
+        return bisect.bisect_left(self.bounds, gap_s)
+
+    def merge(self, model: str, branch: str, counts: list[int], total_s: float) -> None:
+        with self._lock:
+            mine, total = self._series.setdefault((model, branch), (self.local(), [0.0]))
+            for i, c in enumerate(counts):
+                mine[i] += c
+            total[0] += total_s
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(
+            self.name,
+            "Time between two tokens of a stream, as the gateway received them.",
+            labels=["model", "branch"],
+        )
+        with self._lock:
+            series = [(k, list(c), t[0]) for k, (c, t) in self._series.items()]
+        for (model, branch), counts, total in series:
+            running, buckets = 0, []
+            for bound, count in zip((*self.bounds, float("inf")), counts, strict=True):
+                running += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
+            family.add_metric([model, branch], buckets, total)
+        yield family
+
+
+class Instruments:
+    """Every event-driven metric family, in a registry of their own (never the global one).
+
+    :meth:`of` is ``family.labels(*values)`` with the child kept: a request's hooks
+    find their series with one dict lookup (the label values are bounded: route and
+    branch names, tenants, statuses, reasons; never a client's free text)."""
+
+    def __init__(self) -> None:
+        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+        self.registry = r = CollectorRegistry()
+        req = ["model", "branch", "tenant"]
+        self.requests = Counter(
+            "quantroute_requests",
+            "Generation requests answered, by the branch that answered and HTTP status.",
+            [*req, "status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "quantroute_prompt_tokens", "Prompt tokens of answered requests.", req, registry=r
+        )
+        self.completion_tokens = Counter(
+            "quantroute_completion_tokens", "Tokens generated.", req, registry=r
+        )
+        self.ttft = Histogram(
+            "quantroute_time_to_first_token_seconds",
+            "Request arrival to its first token (queue, routing, prefill included).",
+            ["model", "branch"],
+            buckets=TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self.token_gaps = TokenGaps()
+        r.register(self.token_gaps)
+        self.duration = Histogram(
+            "quantroute_request_duration_seconds",
+            "Request arrival to its last token or error.",
+            ["model", "branch", "status"],
+            buckets=DURATION_BUCKETS_S,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "quantroute_queue_wait_seconds",
+            "Time a request waited in its model's admission queue.",
+            ["model"],
+            buckets=QUEUE_BUCKETS_S,
+            registry=r,
+        )
+        self.decisions = Counter(
+            "quantroute_routing_decisions",
+            "Routing decisions, by the branch chosen first and the reason.",
+            ["model", "branch", "reason"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "quantroute_fallback",
+            "Requests moved off a branch before their first token.",
+            ["model", "from", "to", "reason"],
+            registry=r,
+        )
+        self.worker_restarts = Counter(
+            "quantroute_worker_restarts",
+            "Worker processes that died unasked (each is restarted unless its branch failed).",
+            ["model", "branch"],
+            registry=r,
+        )
+        self.hot_reloads = Counter(
+            "quantroute_hot_reloads",
+            "Route table reloads, by outcome (applied, rejected, failed).",
+            ["outcome"],
+            registry=r,
+        )
+        self.prompt_cache_hits = Counter(
+            "quantroute_prompt_cache_hit_tokens",
+            "Prompt tokens served from a reused KV prefix instead of prefilled.",
+            ["model", "branch"],
+            registry=r,
+        )
+
+    def of(self, family: Counter | Histogram, *values: str) -> Any:
+        key = (family._name, values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(*values)
+        return child
