@@ -98,10 +98,6 @@ def vocab() -> Iterator[tuple[Any, int, list[bytes], list[int]]]:
     eog = [t for t in range(n) if lc.llama_vocab_is_eog(v, t)]
     yield v, n, pieces, eog
     lc.llama_model_free(model)
-    from llama_cpp import _utils  # opens os.devnull twice at import and never closes it
-
-    _utils.outnull_file.close()
-    _utils.errnull_file.close()
 
 
 SCHEMA = {

@@ -116,16 +116,13 @@ class Runner:
         try:
             async with asyncio.timeout(timeout_s):
                 for request in job.requests:
-                    stream = aiter(branch.engine.generate(job.trace.carry(request)))
-                    streams.append(stream)
-                    first = await anext(stream)
-                    if not isinstance(first, StartEvent):
-                        raise EngineError(f"branch {branch.id} skipped its start event")
-                    prompt_tokens.append(first.prompt_tokens)
-                    events: list[EngineEvent] = [first]
-                    while not isinstance(events[-1], TokenEvent | FinishEvent):
-                        events.append(await anext(stream))
-                    pending.append(events)
+                    streams.append(aiter(branch.engine.generate(job.trace.carry(request))))
+                    pending.append([])
+                await _to_first_tokens(streams, pending)
+            for events in pending:
+                if not isinstance(events[0], StartEvent):
+                    raise EngineError(f"branch {branch.id} skipped its start event")
+                prompt_tokens.append(events[0].prompt_tokens)
             job.trace.first_token()
         except TimeoutError as exc:
             await close_all(streams)
@@ -165,3 +162,39 @@ class Runner:
             on_done=done,
             stall_timeout_s=self._settings.resilience.reader_stall_timeout_s,
         )
+
+
+def _committed(events: list[EngineEvent]) -> bool:
+    return bool(events) and isinstance(events[-1], TokenEvent | FinishEvent)
+
+
+async def _to_first_tokens(
+    streams: list[AsyncIterator[EngineEvent]], pending: list[list[EngineEvent]]
+) -> None:
+    """Read every choice into ``pending`` up to its first token (or its end). With several
+    choices, all are read at once, and a choice that has its first token goes on being
+    read until every sibling has one: left unread, it would pause in the worker holding a
+    slot its sibling waits for, and n > 1 requests on a full worker would wait on each
+    other. What it reads meanwhile is bounded by its ``max_tokens``."""
+    if len(streams) == 1:
+        events = pending[0]
+        events.append(await anext(streams[0]))
+        while not _committed(events):
+            events.append(await anext(streams[0]))
+        return
+    reads = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while reads:
+            done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+            for read in done:
+                i = reads.pop(read)
+                event = read.result()  # an engine error, or a stream that ended early
+                pending[i].append(event)
+                waiting = not all(_committed(events) for events in pending)
+                if not isinstance(event, FinishEvent) and (waiting or not _committed(pending[i])):
+                    reads[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        for read in reads:  # failed or timed out: the streams are closed next
+            read.cancel()
+        if reads:
+            await asyncio.wait(reads)
