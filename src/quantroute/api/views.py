@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from quantroute.observability import render_metrics
@@ -38,7 +38,7 @@ def branch_state(gateway: Gateway, branch: Branch) -> tuple[str, str | None]:
 def models_json(gateway: Gateway, tenant: Tenant = OPEN) -> dict[str, Any]:
     data: list[dict[str, Any]] = []
     for route in gateway.routes.current.models.values():
-        if not tenant.may_use(route.name):
+        if not tenant.may_use(route.model):
             continue
         branches = []
         for b in route.branches:
@@ -57,6 +57,9 @@ def models_json(gateway: Gateway, tenant: Tenant = OPEN) -> dict[str, Any]:
                     "size_bytes": b.artifact.size_bytes,
                     "n_ctx": b.engine.info.n_ctx if b.engine.info else None,
                     "profile": _profile_json(b.profile),
+                    "profile_state": "stale"
+                    if b.name in route.stale
+                    else ("measured" if b.profile else "unprofiled"),
                     "drift": _drift_json(gateway, b.id),
                 }
             )
@@ -67,6 +70,7 @@ def models_json(gateway: Gateway, tenant: Tenant = OPEN) -> dict[str, Any]:
                 "created": 0,
                 "owned_by": "quantroute",
                 "reference": route.reference,
+                "version": route.version,
                 "branches": branches,
                 "profile_warnings": list(route.profile_warnings),
             }
@@ -81,6 +85,21 @@ def models_json(gateway: Gateway, tenant: Tenant = OPEN) -> dict[str, Any]:
             }
             for b in branches
         ]
+    for split in gateway.routes.current.splits.values():
+        if tenant.may_use(split.model):
+            data.append(
+                {
+                    "id": split.model,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "quantroute",
+                    "versions": list(split.versions),
+                    "default_version": split.default,
+                    "traffic": [
+                        {k: v for k, v in asdict(r).items() if v is not None} for r in split.rules
+                    ],
+                }
+            )
     return {"object": "list", "data": data}
 
 
@@ -130,6 +149,8 @@ def status_json(gateway: Gateway) -> dict[str, Any]:
             "limit": budget.limit,
             "refused": budget.refused,
         },
+        "repository": gateway.reloader.status(),
+        "versions_answered": dict(gateway.answered),
     }
 
 
