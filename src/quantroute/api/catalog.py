@@ -13,10 +13,11 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from quantroute.config import Settings
+from quantroute.engines.base import Engine
 from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
 from quantroute.quality.profile import load_profiles, stale_profiles
@@ -39,13 +40,12 @@ def default_threads(n_workers: int, cores: int | None = None) -> int:
     return max(1, (cores - 1) // max(n_workers, 1))
 
 
-def fingerprint(reference: str, artifacts: Sequence[BranchArtifact]) -> str:
-    """What decides a route's engines, hashed: a reload with the same one keeps them."""
-    parts = [reference]
-    for a in artifacts:
-        options = a.spec.model_dump(mode="json") if a.spec is not None else {}
-        parts.append(json.dumps([a.name, str(a.path), a.sha256, a.problem, options]))
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+def fingerprint(a: BranchArtifact) -> str:
+    """What decides a branch's engine, hashed: its file, sha256, problem and spec (engine
+    options, device). A reload that finds the same one keeps the engine."""
+    spec = a.spec.model_dump(mode="json") if a.spec is not None else {}
+    text = json.dumps([str(a.path), a.sha256, a.problem, a.url, spec], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +55,7 @@ class ModelBuild:
     model: str
     routes: tuple[ModelRoute, ...]
     split: VersionSplit | None
-    fingerprints: Mapping[str, str]  # route name -> fingerprint
+    fingerprints: Mapping[str, str]  # branch id -> fingerprint
     new_branches: tuple[Branch, ...]  # branches with engines built for this build
 
 
@@ -106,21 +106,19 @@ class Catalog:
     def build(
         self,
         entry: ModelEntry,
-        keep: Mapping[str, tuple[str, ModelRoute]],
+        keep: Mapping[str, tuple[str, Engine]],
         n_workers: int,
         cpus: Iterator[tuple[int, ...]] | None = None,
     ) -> ModelBuild:
-        """``entry``'s routes. A route named in ``keep`` (name -> (fingerprint, route))
-        with the same fingerprint keeps its engines (with fresh profiles); the others
-        get new, unstarted engines."""
+        """``entry``'s routes. A branch in ``keep`` (id -> (fingerprint, engine)) with
+        the same fingerprint keeps its engine (with a fresh profile); the others get
+        new, unstarted engines."""
         manifest = entry.manifest
         routes, fingerprints, fresh = [], {}, []
         versioned = bool(manifest.versions)
         for version, artifacts in zip(manifest.version_names(), entry.versions, strict=True):
             name = f"{manifest.model}@{version}" if versioned else manifest.model
             reference, _ = manifest.version_spec(version)
-            fp = fingerprint(reference, artifacts)
-            fingerprints[name] = fp
             profiles, warnings = load_profiles(entry.directory, artifacts)
             stale = (
                 stale_profiles(entry.directory, artifacts)
@@ -129,11 +127,11 @@ class Catalog:
             )
             for warning in warnings:
                 log.warning("profile: %s", warning)
-            old = keep.get(name)
-            engines = {b.name: b.engine for b in old[1].branches} if old and old[0] == fp else {}
             branches = []
             for a in artifacts:
-                engine = engines.get(a.name)
+                fp = fingerprints[f"{name}:{a.name}"] = fingerprint(a)
+                old = keep.get(f"{name}:{a.name}")
+                engine = old[1] if old is not None and old[0] == fp else None
                 if engine is None:
                     pinned = next(cpus, ()) if cpus is not None else ()
                     engine = self.engine(name, a, n_workers, pinned)

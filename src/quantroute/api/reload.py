@@ -6,8 +6,8 @@ A reload (the repository watcher, or ``POST /admin/reload``) runs, per model:
    process bounded in time and memory;
 2. **verify** — every file's sha256 (streamed), the model's signature
    (``registry.signing``; required where ``repository.require_signatures``);
-3. **start** new workers for the routes whose files or options changed (a
-   route whose fingerprint is the same keeps its workers), and **warm** them
+3. **start** new workers for the branches whose file or options changed (a
+   branch whose fingerprint is the same keeps its worker), and **warm** them
    up (each engine's start does);
 4. **swap** the route table reference: requests routed from now on go to the
    new branches; those already running keep their branch;
@@ -72,7 +72,7 @@ class Reloader:
     def __init__(self, gateway: Gateway):
         self._gateway = gateway
         self._lock = asyncio.Lock()
-        self.fingerprints: dict[str, str] = {}  # route name -> fingerprint of the serving table
+        self.fingerprints: dict[str, str] = {}  # branch id -> fingerprint of the serving one
         self._models_of: dict[Path, str] = {}  # model folder -> the model it serves
         self.counts: Counter[str] = Counter()  # reloads by outcome
         self.last: ReloadReport | None = None
@@ -140,7 +140,7 @@ class Reloader:
         check_s = time.monotonic() - started
         current = gateway.routes.current
         failures: dict[str, str] = {}
-        keep = {n: (self.fingerprints.get(n, ""), r) for n, r in current.models.items()}
+        keep = {b.id: (self.fingerprints.get(b.id, ""), b.engine) for b in current.branches()}
         n_workers = sum(len(v) for m in scan.models for v in m.versions)
         builds: list[ModelBuild] = []
         for entry in scan.models:
@@ -163,10 +163,11 @@ class Reloader:
             splits += [build.split] if build.split else []
             fingerprints.update(build.fingerprints)
         built = {b.model for b in builds}
-        for name, route in current.models.items():  # a failed model keeps its old routes
+        for route in current.models.values():  # a failed model keeps its old routes
             if route.model in failures and route.model not in built:
                 routes.append(route)
-                fingerprints[name] = self.fingerprints.get(name, "")
+                for b in route.branches:
+                    fingerprints[b.id] = self.fingerprints.get(b.id, "")
         splits += [s for m, s in current.splits.items() if m in failures and m not in built]
 
         serving = {id(b.engine) for r in routes for b in r.branches}
