@@ -368,10 +368,12 @@ def check_versions(model_dir: Path, manifest: Manifest, **how: Any) -> list[list
     return [check_artifacts(model_dir, manifest, v, **how) for v in manifest.version_names()]
 
 
-def verify_artifacts(model_dir: Path, manifest: Manifest) -> list[BranchArtifact]:
+def verify_artifacts(
+    model_dir: Path, manifest: Manifest, *, isolated: bool = False
+) -> list[BranchArtifact]:
     """:func:`check_artifacts`, raising :class:`ArtifactIntegrityError` for the first bad
     file (the profiler and the builder need every file sound)."""
-    artifacts = check_artifacts(model_dir, manifest)
+    artifacts = check_artifacts(model_dir, manifest, isolated=isolated)
     for artifact in artifacts:
         if artifact.problem is not None:
             raise ArtifactIntegrityError(artifact.problem)
