@@ -322,3 +322,77 @@ async def test_a_replacement_with_a_bad_signature_leaves_the_old_version_serving
         report = (await client.post("/admin/reload", headers=ADMIN)).json()
         assert report["outcome"] == "swapped", report
         assert await answering_artifact(client) == sha256_file(folder / "main.gguf")[:16]
+
+
+def versioned_manifest(folder: Path, traffic: list[dict[str, Any]], other: str = "v2") -> None:
+    """v1 (the top level: main.gguf) and ``other`` (v2.gguf), with ``traffic``."""
+    manifest: dict[str, Any] = {
+        "model": MODEL,
+        "reference": "main",
+        "branches": {
+            "main": {
+                "file": "main.gguf",
+                "precision": "q4_k_m",
+                "sha256": sha256_file(folder / "main.gguf"),
+            }
+        },
+        "versions": {},
+        "traffic": traffic,
+    }
+    manifest["versions"][other] = {
+        "branches": {
+            "main": {
+                "file": "v2.gguf",
+                "precision": "q8_0",
+                "sha256": sha256_file(folder / "v2.gguf"),
+            }
+        }
+    }
+    (folder / "quantroute.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+
+
+async def test_traffic_rules_change_without_restarts_and_rolling_back_stops_v2(
+    tmp_path: Path,
+) -> None:
+    repo = one_branch_repo(tmp_path, "q4_k_m")
+    folder = repo / MODEL
+    shutil.copyfile(demo_model_dir() / "q8_0.gguf", folder / "v2.gguf")
+    versioned_manifest(folder, [])
+    body = {"model": MODEL, "prompt": "def ", "max_tokens": 2}
+    async with serving(create_app(settings_for(repo))) as (client, gateway):
+        engines = {b.id: b.engine for b in gateway.routes.current.branches()}
+        assert set(engines) == {f"{MODEL}@v1:main", f"{MODEL}@v2:main"}
+        r = await client.post("/v1/completions", json=body | {"user": "anyone"})
+        assert r.headers["x-quantroute-version"] == "v1"  # no rules: the default
+
+        versioned_manifest(folder, [{"version": "v2", "header": "x-ab-group", "value": "b"}])
+        report = (await client.post("/admin/reload", headers=ADMIN)).json()
+        assert report["outcome"] == "swapped" and report["swapped"] == [], report
+        assert report["drained"] == 0  # the same workers, new rules
+        assert {b.id: b.engine for b in gateway.routes.current.branches()} == engines
+        r = await client.post("/v1/completions", json=body, headers={"x-ab-group": "b"})
+        assert r.headers["x-quantroute-version"] == "v2"
+        r = await client.post("/v1/completions", json=body, headers={"x-ab-group": "a"})
+        assert r.headers["x-quantroute-version"] == "v1"
+
+        versioned_manifest(folder, [{"version": "v2", "percent": 100}])
+        assert (await client.post("/admin/reload", headers=ADMIN)).json()["outcome"] == "swapped"
+        r = await client.post("/v1/completions", json=body | {"user": "u1"})
+        assert r.headers["x-quantroute-version"] == "v2"
+
+        versioned_manifest(folder, [])  # roll back: the rule goes, v2 stays loaded
+        report = (await client.post("/admin/reload", headers=ADMIN)).json()
+        assert report["outcome"] == "swapped" and report["drained"] == 0, report
+        r = await client.post("/v1/completions", json=body | {"user": "u1"})
+        assert r.headers["x-quantroute-version"] == "v1"
+
+        versioned_manifest(folder, [], other="v3")  # v2 retired (v3 takes its file)
+        report = (await client.post("/admin/reload", headers=ADMIN)).json()
+        assert report["outcome"] == "swapped" and report["drained"] == 1, report
+        assert not engines[f"{MODEL}@v2:main"].ready  # drained and stopped
+        assert engines[f"{MODEL}@v1:main"].ready  # untouched
+        r = await client.post("/v1/completions", json=body | {"model": f"{MODEL}@v2"})
+        assert r.status_code == 404 and "its versions are v1, v3" in r.text
+        r = await client.post("/v1/completions", json=body | {"model": f"{MODEL}@v3"})
+        assert r.headers["x-quantroute-version"] == "v3"
+        assert gateway.occupancy.get(f"{MODEL}@v2:main") is None  # its placement is gone

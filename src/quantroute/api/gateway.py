@@ -276,8 +276,11 @@ class Gateway:
             self._branch_of.pop(id(b.engine), None)
 
     def swap(self, table: RouteTable, retired: Sequence[Branch]) -> None:
-        """Serve ``table`` from now on; ``retired`` branches drain (``api.reload``)."""
+        """Serve ``table`` from now on; ``retired`` branches drain (``api.reload``). A
+        branch id that gets a new worker gets a fresh circuit breaker too."""
         self.detach(retired)
+        for b in retired:
+            self.breakers.reset(b.id)
         for b in table.branches():
             self._branch_of[id(b.engine)] = b  # the same engine may have a fresh Branch
         self.routes.current = table  # one reference assignment: requests see old or new
