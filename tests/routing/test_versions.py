@@ -137,3 +137,12 @@ async def test_the_answering_version_is_in_the_response_and_counted() -> None:
         by_header = seen["u3"] == "v2"
         assert answered["m@v2"] == sum(v == "v2" for v in seen.values()) + by_header + 1
         assert sum(answered.values()) == 42
+
+
+async def test_a_gateway_given_a_fixed_table_refuses_to_reload() -> None:
+    settings = load_settings(telemetry={"devices": "sim:1x24GiB"}, server={"admin_key": "k"})
+    async with serving(create_app(settings, versioned_table())) as (client, gateway):
+        r = await client.post("/admin/reload", headers={"authorization": "Bearer k"})
+        assert r.status_code == 200 and r.json()["outcome"] == "failed"
+        assert "no repository" in r.json()["failures"]["repository"]
+        assert set(gateway.routes.current.models) == {"m@v1", "m@v2"}  # still serving

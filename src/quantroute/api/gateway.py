@@ -98,6 +98,7 @@ class Gateway:
     ):
         self.settings = settings
         self._given_table = table
+        self.fixed_table = table is not None  # given whole (tests): nothing to reload from
         self._provider = provider or provider_from_settings(settings.telemetry)
         self.routes = RouteTableRef(table or RouteTable())
         self.health = health_from_settings(settings.telemetry)

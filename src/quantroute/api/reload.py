@@ -101,9 +101,15 @@ class Reloader:
         async with self._lock:
             started = time.monotonic()
             try:
+                if self._gateway.fixed_table:
+                    raise RuntimeError(
+                        "this gateway serves a route table it was given, no repository"
+                    )
                 report = await self._reload(trigger, started)
             except Exception as exc:  # a bug or an unreadable repository: keep serving
-                log.exception("reload (%s) failed", trigger)
+                log.error(
+                    "reload (%s) failed: %s", trigger, exc, exc_info=not self._gateway.fixed_table
+                )
                 report = ReloadReport(
                     "failed",
                     trigger,
