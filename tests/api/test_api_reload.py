@@ -396,3 +396,39 @@ async def test_traffic_rules_change_without_restarts_and_rolling_back_stops_v2(
         r = await client.post("/v1/completions", json=body | {"model": f"{MODEL}@v3"})
         assert r.headers["x-quantroute-version"] == "v3"
         assert gateway.occupancy.get(f"{MODEL}@v2:main") is None  # its placement is gone
+
+
+async def test_a_crashed_old_worker_is_not_restarted_on_an_unchecked_replacement(
+    tmp_path: Path,
+) -> None:
+    import os
+    import signal
+
+    repo = one_branch_repo(tmp_path, "q4_k_m")
+    folder = repo / MODEL
+    async with serving(create_app(settings_for(repo))) as (client, gateway):
+        (branch,) = gateway.routes.current.branches()
+        # replaced on disk, but the manifest still names the old sha256: the reload fails
+        replace_file(folder, (demo_model_dir() / "q8_0.gguf").read_bytes())
+        report = (await client.post("/admin/reload", headers=ADMIN)).json()
+        assert report["outcome"] == "failed" and "sha256" in report["failures"][MODEL]
+        assert branch.engine.ready  # the old version serves on
+        assert branch.engine.pid is not None
+        os.kill(branch.engine.pid, signal.SIGKILL)
+        for _ in range(50):
+            if not branch.engine.ready:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(2.0)  # past the restart backoff
+        assert not branch.engine.ready  # not restarted on the unchecked file
+        models = (await client.get("/v1/models")).json()["data"]
+        (state,) = next(m for m in models if m["id"] == MODEL)["branches"]
+        assert state["state"] == "failed" and "replaced on disk" in state["failure"]
+        # the operator finishes the replacement: the reload serves the new file
+        write_manifest(folder, "q8_0")
+        report = (await client.post("/admin/reload", headers=ADMIN)).json()
+        assert report["outcome"] == "swapped", report
+        assert await answering_artifact(client) == sha256_file(folder / "main.gguf")[:16]
+        models = (await client.get("/v1/models")).json()["data"]
+        (state,) = next(m for m in models if m["id"] == MODEL)["branches"]
+        assert state["state"] == "ready"

@@ -163,6 +163,7 @@ class Gateway:
         self.reloader = Reloader(self)
         self.service = Service(self)
         self._branch_of: dict[int, Branch] = {}
+        self.superseded: dict[str, str] = {}  # branch id -> why its worker stays down
         self.answered: Counter[str] = Counter()  # model@version -> requests it answered
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -284,6 +285,8 @@ class Gateway:
             self.breakers.reset(b.id)
         for b in table.branches():
             self._branch_of[id(b.engine)] = b  # the same engine may have a fresh Branch
+            if b.engine.ready:
+                self.superseded.pop(b.id, None)
         self.routes.current = table  # one reference assignment: requests see old or new
         old = self.drift
         self.drift = self._drift_monitor(table)
@@ -326,8 +329,17 @@ class Gateway:
 
     def engine_exited(self, engine: Engine, returncode: int) -> None:
         branch = self._branch_of.get(id(engine))
-        if branch is not None:
-            self.occupancy.unloaded(branch.id, crashed=crashed(returncode) or returncode != 0)
+        if branch is None:
+            return
+        self.occupancy.unloaded(branch.id, crashed=crashed(returncode) or returncode != 0)
+        if branch.artifact.replaced():  # a restart would load a file nothing has checked
+            why = (
+                f"its worker stopped after {branch.artifact.path.name} was replaced on disk; "
+                "it is not restarted on an unchecked file (a reload serves the new one)"
+            )
+            log.error("%s: %s", branch.id, why)
+            self.superseded[branch.id] = why
+            self._spawn(engine.stop())
 
     def engine_failed(self, engine: Engine, cause: str) -> None:
         branch = self._branch_of.get(id(engine))

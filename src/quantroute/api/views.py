@@ -26,6 +26,8 @@ def branch_state(gateway: Gateway, branch: Branch) -> tuple[str, str | None]:
         return "failed", placement.problem
     if branch.engine.failure:
         return "failed", branch.engine.failure
+    if not branch.engine.ready and branch.id in gateway.superseded:
+        return "failed", gateway.superseded[branch.id]
     if gateway.residency.draining(branch.id):
         return "draining", None
     if gateway.residency.routable(branch):

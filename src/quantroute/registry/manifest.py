@@ -222,6 +222,18 @@ class BranchArtifact:
     version: str | None = None
     url: str | None = None
     spec: BranchSpec | None = None
+    file_id: tuple[int, int, int] | None = None  # (device, inode, mtime_ns) when checked
+
+    def replaced(self) -> bool:
+        """The file at ``path`` is no longer the one that was checked (renamed over,
+        rewritten, removed): a worker must not load it unchecked."""
+        if self.file_id is None:
+            return False
+        try:
+            st = self.path.stat()
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino, st.st_mtime_ns) != self.file_id
 
     @property
     def route(self) -> str:
@@ -295,21 +307,25 @@ def check_artifacts(
         path = (model_dir / spec.file).resolve()
         problem: str | None = None
         digest, size = spec.sha256, 0
+        file_id: tuple[int, int, int] | None = None
         if not path.is_file():
             problem = f"{label}:{name}: file {spec.file} is missing"
         else:
-            size = path.stat().st_size
+            st = path.stat()
+            size, file_id = st.st_size, (st.st_dev, st.st_ino, st.st_mtime_ns)
             digest = sha256_file(path)
-            if digest != spec.sha256:
+            after = path.stat()
+            if (after.st_dev, after.st_ino, after.st_mtime_ns) != file_id:
+                problem = f"{label}:{name}: {spec.file} changed while it was being checked"
+            elif digest != spec.sha256:
                 problem = (
                     f"{label}:{name}: sha256 of {spec.file} is {digest[:12]}..., "
                     f"the manifest says {spec.sha256[:12]}..."
                 )
             else:
                 headers.append(len(artifacts))
-        artifacts.append(
-            _artifact(manifest, tag, name, spec, path, digest, size, reference, problem)
-        )
+        local = _artifact(manifest, tag, name, spec, path, digest, size, reference, problem)
+        artifacts.append(replace(local, file_id=file_id))
     if headers:
         if isolated:
             limits: dict[str, Any] = {"timeout_s": timeout_s, "memory_bytes": memory_bytes}
