@@ -8,8 +8,16 @@
       f16:    {file: f16.gguf,    precision: f16,    sha256: 9f2c...}
       q8_0:   {file: q8_0.gguf,   precision: q8_0,   sha256: 41d0...}
       q4_k_m: {file: q4_k_m.gguf, precision: q4_k_m, sha256: c7aa...}
+      remote: {url: "https://gpu-box:8000/v1", engine: openai, precision: fp8}
+    versions:                    # optional: more versions, each its own branches
+      v2: {branches: {f16: {file: v2/f16.gguf, precision: f16, sha256: 77e1...}}}
+    traffic:                     # optional: which requests get which version
+      - {version: v2, header: x-ab-group, value: b}
+      - {version: v2, percent: 10}
 
-Loading verifies every file's sha256 before anything runs it.
+Loading validates the schema (errors name the file, the field and the
+problem); checking verifies every file's sha256 and GGUF header before
+anything runs it. See docs/repository.md.
 """
 
 from __future__ import annotations
