@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from quantroute.config import DEMO_REPO, Settings, load_settings
 from quantroute.errors import QuantrouteError
+from quantroute.repo_cli import add_commands as add_repository_commands
 from quantroute.types import Precision
 
 log = logging.getLogger("quantroute")
@@ -344,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rebuild", action="store_true", help="build stdlib-bpe-llama even if it is cached"
     )
     build.set_defaults(func=cmd_demo_build)
+    add_repository_commands(sub)
     return parser
 
 

@@ -628,6 +628,46 @@ class ObservabilitySettings(BaseModel):
     )
 
 
+class RepositorySettings(BaseModel):
+    """The model repository while serving: signatures, file checks, hot reload."""
+
+    require_signatures: bool = Field(
+        False,
+        description="Refuse a model without a model.sig that verifies (OpenSSF model signing).",
+    )
+    public_key: Path | None = Field(
+        None, description="EC public key (PEM) that verifies model signatures, offline."
+    )
+    sigstore_identity: str | None = Field(
+        None, description="Sigstore signer identity (an email or URI) that signatures must have."
+    )
+    sigstore_issuer: str | None = Field(
+        None, description="OIDC issuer of sigstore_identity, e.g. https://accounts.google.com."
+    )
+    watch: bool = Field(
+        True, description="Reload a model when its folder changes (temporary files are ignored)."
+    )
+    watch_debounce_ms: int = Field(
+        1000, ge=50, le=60_000, description="Quiet time after the last change before reloading."
+    )
+    drain_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Longest wait for requests on a replaced version to finish before it stops.",
+    )
+    drain_quiet_s: float = Field(
+        0.5,
+        ge=0,
+        description="A replaced version stops once it has had nothing in flight this long.",
+    )
+    check_timeout_s: float = Field(
+        30.0, gt=0, description="Time limit of the child process that checks GGUF headers."
+    )
+    check_memory_bytes: int = Field(
+        1 << 30, ge=64 << 20, description="Address-space limit of the GGUF-checking child."
+    )
+
+
 class Settings(BaseSettings):
     """Everything quantroute can be told. See docs/configuration.md."""
 
@@ -647,6 +687,7 @@ class Settings(BaseSettings):
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     streams: StreamSettings = Field(default_factory=StreamSettings)  # type: ignore[arg-type]
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)  # type: ignore[arg-type]
+    repository: RepositorySettings = Field(default_factory=RepositorySettings)  # type: ignore[arg-type]
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:

@@ -178,7 +178,12 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
 }
 # Near misses: the right type just out of bounds, or a value that only looks right.
 NEAR: dict[str, st.SearchStrategy[Any]] = {
-    "model": st.one_of(marked_text(), st.sampled_from(["", "tiny-llama:", ":f16", "a" * 300])),
+    "model": st.one_of(
+        marked_text(),
+        st.sampled_from(
+            ["", "tiny-llama:", ":f16", "a" * 300, "tiny-llama@v2", "tiny-llama@", "@v1:f16"]
+        ),
+    ),
     "messages": st.one_of(
         st.just([]),
         st.lists(
@@ -311,6 +316,9 @@ HEADERS = st.fixed_dictionaries(
             st.integers(1, 3_600_000).map(str),
             HEADER_TEXT.map(lambda t: t + HEADER_MARK),
             st.sampled_from(["1e400", "9" * 500, "nan", "inf", "-5", "0x10", "1_000", "٣"]),
+        ),
+        "x-quantroute-user": st.one_of(
+            HEADER_TEXT, HEADER_TEXT.map(lambda t: t + HEADER_MARK), st.just("u" * 300)
         ),
     },
 )

@@ -67,6 +67,6 @@ def test_every_subcommand_has_help(capsys: pytest.CaptureFixture[str]) -> None:
     ("workers", "cores", "threads"), [(3, 2, 1), (1, 2, 1), (1, 16, 15), (3, 16, 5), (0, 4, 3)]
 )
 def test_default_threads_split_the_cores(workers: int, cores: int, threads: int) -> None:
-    from quantroute.api.gateway import default_threads
+    from quantroute.api.catalog import default_threads
 
     assert default_threads(workers, cores) == threads

@@ -30,22 +30,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-from collections.abc import Coroutine
+from collections import Counter
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from quantroute.api.catalog import Catalog, ModelBuild
 from quantroute.api.jobs import Run
+from quantroute.api.reload import Reloader, ReloadReport
 from quantroute.api.service import Service
 from quantroute.config import Settings
 from quantroute.engines.base import Engine
 from quantroute.engines.exits import crashed
-from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
 from quantroute.engines.llamacpp_build import probe_build
-from quantroute.engines.supervisor import RestartPolicy
 from quantroute.observability import Observer
 from quantroute.quality.drift import Baseline, DriftMonitor, Replay
-from quantroute.quality.profile import load_profiles
-from quantroute.registry.repository import scan_repository
+from quantroute.registry.watcher import watch_repository
 from quantroute.resilience import (
     Admission,
     BreakerPolicy,
@@ -56,8 +55,8 @@ from quantroute.resilience import (
 )
 from quantroute.routing.residency import Residency
 from quantroute.routing.states import BranchStates, RecentRate
-from quantroute.routing.table import Branch, ModelRoute, RouteTable, RouteTableRef
-from quantroute.telemetry import DevicePoller, DeviceProvider, SimDeviceProvider, plan_cpu_affinity
+from quantroute.routing.table import Branch, RouteTable, RouteTableRef
+from quantroute.telemetry import DevicePoller, DeviceProvider, SimDeviceProvider
 from quantroute.telemetry.occupancy import Occupancy, PlacementRequest
 from quantroute.telemetry.selection import (
     CompositeProvider,
@@ -71,15 +70,6 @@ from quantroute.telemetry.stats import DeviceKind
 log = logging.getLogger(__name__)
 
 
-def default_threads(n_workers: int, cores: int | None = None) -> int:
-    """Threads per worker when not configured: the cores split among the workers,
-    one core left to the gateway. llama.cpp's threads spin while they wait, so
-    workers that together ask for more threads than there are cores slow each
-    other down by an order of magnitude on a small host."""
-    cores = cores or len(os.sched_getaffinity(0))
-    return max(1, (cores - 1) // max(n_workers, 1))
-
-
 def find_sim(provider: DeviceProvider) -> SimDeviceProvider | None:
     if isinstance(provider, SimDeviceProvider):
         return provider
@@ -90,51 +80,14 @@ def find_sim(provider: DeviceProvider) -> SimDeviceProvider | None:
 
 def build_routes(settings: Settings) -> RouteTable:
     """One llama.cpp engine per branch of every model in the repository (not started)."""
-    e = settings.engine
-    scan = scan_repository(settings.repo)
-    n_workers = sum(len(m.artifacts) for m in scan.models)
-    pinning = (
-        plan_cpu_affinity(n_workers, pinned=settings.telemetry.cpu_affinity)
-        if (e.pin_cpus or settings.telemetry.cpu_affinity) and n_workers
-        else None
-    )
-    policy = RestartPolicy(
-        backoff_s=e.restart_backoff_s,
-        backoff_max_s=e.restart_backoff_max_s,
-        stop_grace_s=e.cancel_grace_s,
-        max_crashes=e.max_crashes,
-        failed_retry_s=e.failed_retry_s,
-    )
-    routes, index = [], 0
-    for model in scan.models:
-        profiles, warnings = load_profiles(model.directory, model.artifacts)
-        for warning in warnings:
-            log.warning("profile: %s", warning)
-        branches = []
-        for a in model.artifacts:
-            cpus = tuple(sorted(pinning[index])) if pinning else ()
-            index += 1
-            options = WorkerOptions(
-                n_ctx=e.n_ctx,
-                parallel=e.parallel,
-                n_threads=e.n_threads or (len(cpus) if cpus else default_threads(n_workers)),
-                n_batch=e.n_batch,
-                log_level=settings.server.log_level,
-                start_timeout_s=e.start_timeout_s,
-                gen_idle_timeout_s=e.gen_idle_timeout_s,
-                score_timeout_s=e.score_timeout_s,
-                max_event_bytes=e.max_event_bytes,
-                cpus=cpus,
-                fault=e.fault_for(a.model, a.name),
-            )
-            engine = LlamaCppEngine(f"{a.model}:{a.name}", a.path, options, policy)
-            branches.append(Branch(a.model, a.name, a.precision, a, engine, profiles[a.name]))
-        routes.append(
-            ModelRoute(
-                model.manifest.model, model.manifest.reference, tuple(branches), tuple(warnings)
-            )
-        )
-    return RouteTable.build(routes)
+    catalog = Catalog(settings)
+    builds = catalog.build_all(catalog.scan())
+    return _table(builds)
+
+
+def _table(builds: list[ModelBuild], generation: int = 0) -> RouteTable:
+    routes = [r for b in builds for r in b.routes]
+    return RouteTable.build(routes, generation, [b.split for b in builds if b.split])
 
 
 class Gateway:
@@ -146,6 +99,7 @@ class Gateway:
     ):
         self.settings = settings
         self._given_table = table
+        self.fixed_table = table is not None  # given whole (tests): nothing to reload from
         self._provider = provider or provider_from_settings(settings.telemetry)
         self.routes = RouteTableRef(table or RouteTable())
         self.health = health_from_settings(settings.telemetry)
@@ -207,8 +161,13 @@ class Gateway:
             stale_free_cap_bytes=settings.routing.tight_free_bytes - 1,
         )
         self.observer = Observer(settings.observability, device_of=self._device_of)
+        self.catalog = Catalog(settings)
+        self.reloader = Reloader(self)
+        self.reloader.hooks.append(self._count_reload)
         self.service = Service(self)
         self._branch_of: dict[int, Branch] = {}
+        self.superseded: dict[str, str] = {}  # branch id -> why its worker stays down
+        self.answered: Counter[str] = Counter()  # model@version -> requests it answered
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ------------------------------------------------------------
@@ -227,7 +186,10 @@ class Gateway:
         self.poller.start()
         table = self._given_table
         if table is None:
-            table = await asyncio.to_thread(build_routes, self.settings)
+            scan = await asyncio.to_thread(self.catalog.scan)
+            builds = self.catalog.build_all(scan)
+            self.reloader.adopt(scan, builds)
+            table = _table(builds)
         self.routes.current = table
         branches = table.branches()
         self._branch_of = {id(b.engine): b for b in branches}
@@ -248,6 +210,11 @@ class Gateway:
         self.drift.start()
         if self.settings.routing.residency:
             self._spawn(self.residency.run(self.settings.telemetry.poll_interval_s))
+        r = self.settings.repository
+        if r.watch and self._given_table is None:
+            self._spawn(
+                watch_repository(self.settings.repo, self.reloader.reload, r.watch_debounce_ms)
+            )
         log.info("serving %s", ", ".join(b.id for b in branches if b.engine.ready) or "nothing")
         for b in branches:
             placement = self.occupancy.get(b.id)
@@ -271,6 +238,7 @@ class Gateway:
         await self.drift.stop()
         for task in self._tasks:
             task.cancel()
+        await self.reloader.stop()
         for branch in reversed(self.routes.current.branches()):
             await branch.engine.stop()
         await self.poller.stop()
@@ -299,6 +267,42 @@ class Gateway:
             self.settings.drift, reference=reference, scorers=scorers, baselines=baselines
         )
 
+    # -- reloads (api.reload decides; these wire the parts) ----------------------
+
+    def attach(self, branches: Sequence[Branch]) -> None:
+        """New branches (not yet serving): the gateway hears their engines."""
+        for b in branches:
+            self._branch_of[id(b.engine)] = b
+            b.engine.listen(self)
+
+    def detach(self, branches: Sequence[Branch]) -> None:
+        """Branches leaving: their engines' events no longer reach the parts (a replaced
+        branch's id is the new one's, whose placement they must not touch)."""
+        for b in branches:
+            self._branch_of.pop(id(b.engine), None)
+
+    def swap(self, table: RouteTable, retired: Sequence[Branch]) -> None:
+        """Serve ``table`` from now on; ``retired`` branches drain (``api.reload``). A
+        branch id that gets a new worker gets a fresh circuit breaker too."""
+        self.detach(retired)
+        for b in retired:
+            self.breakers.reset(b.id)
+        for b in table.branches():
+            self._branch_of[id(b.engine)] = b  # the same engine may have a fresh Branch
+            if b.engine.ready:
+                self.superseded.pop(b.id, None)
+        self.routes.current = table  # one reference assignment: requests see old or new
+        old = self.drift
+        self.drift = self._drift_monitor(table)
+        self.drift.start()
+        self._spawn(old.stop())
+
+    def forget(self, branch_id: str) -> None:
+        """A branch id no longer in the table: its placement and residency go."""
+        self.occupancy.unloaded(branch_id)
+        self.occupancy.restore(branch_id, None)
+        self.residency.forget(branch_id)
+
     # -- what the service reports back ----------------------------------------
 
     def _device_of(self, branch_id: str) -> str | None:
@@ -314,9 +318,19 @@ class Gateway:
                 slots += b.engine.info.parallel
         return self.admission.capacity(slots)
 
+    def _count_reload(self, report: ReloadReport) -> None:
+        # "failed": some model kept its old version, which serves on (rejected, in metrics)
+        outcome = {"swapped": "applied", "failed": "rejected"}.get(report.outcome)
+        if outcome is not None:
+            self.observer.hot_reload(outcome)
+
     def finished(self, run: Run, tokens: list[int]) -> None:
         """A request's first choice finished: count it, and offer it for drift replay."""
         self.popularity.record(run.branch.id)
+        version = run.branch.version
+        if version is not None:  # answers by version: /admin/status and metrics
+            self.answered[run.branch.model] += 1
+            self.observer.version_answered(run.branch.model.partition("@")[0], version)
         first = run.job.requests[0]
         self.drift.offer(Replay(run.branch.id, first.prompt, tuple(tokens), first.parse_special))
 
@@ -331,9 +345,18 @@ class Gateway:
 
     def engine_exited(self, engine: Engine, returncode: int) -> None:
         branch = self._branch_of.get(id(engine))
-        if branch is not None:
-            self.occupancy.unloaded(branch.id, crashed=crashed(returncode) or returncode != 0)
-            self.observer.worker_restarted(branch.model, branch.name)
+        if branch is None:
+            return
+        self.occupancy.unloaded(branch.id, crashed=crashed(returncode) or returncode != 0)
+        self.observer.worker_restarted(branch.model, branch.name)
+        if branch.artifact.replaced():  # a restart would load a file nothing has checked
+            why = (
+                f"its worker stopped after {branch.artifact.path.name} was replaced on disk; "
+                "it is not restarted on an unchecked file (a reload serves the new one)"
+            )
+            log.error("%s: %s", branch.id, why)
+            self.superseded[branch.id] = why
+            self._spawn(engine.stop())
 
     def engine_failed(self, engine: Engine, cause: str) -> None:
         branch = self._branch_of.get(id(engine))

@@ -38,11 +38,15 @@ def _service(request: Request) -> Service:
 
 
 def _headers(run: Run) -> dict[str, str]:
-    return {
+    headers = {
         "x-quantroute-branch": run.branch.id,
         "x-quantroute-route-reason": run.job.decision.reason,
+        "x-quantroute-artifact": run.branch.artifact.sha256[:16],  # the exact file that answered
         "x-request-id": run.job.id,
     }
+    if run.branch.version is not None:
+        headers["x-quantroute-version"] = run.branch.version
+    return headers
 
 
 async def _respond(
@@ -220,6 +224,12 @@ class PressureBody(BaseModel):
 async def admin_status(request: Request) -> dict[str, Any]:
     """Branch states, circuit breakers and the retry budget."""
     return _service(request).status()
+
+
+@router.post("/admin/reload", dependencies=[Depends(require_admin)])
+async def reload_repository(request: Request) -> dict[str, Any]:
+    """Reload the model repository now; the body reports what swapped or failed."""
+    return await _service(request).reload()
 
 
 @router.put("/admin/devices/{device_id}/pressure", dependencies=[Depends(require_admin)])

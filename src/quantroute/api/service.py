@@ -47,6 +47,7 @@ from quantroute.routing.requirement import (
     parse_requirement,
 )
 from quantroute.routing.table import Branch, ModelRoute, lookup
+from quantroute.routing.versions import Audience
 
 if TYPE_CHECKING:
     from quantroute.api.gateway import Gateway
@@ -70,11 +71,16 @@ class Service:
     # -- routing ----------------------------------------------------------------
 
     def route(
-        self, req: Request, requirement: Requirement, shape: RequestShape
+        self,
+        req: Request,
+        requirement: Requirement,
+        shape: RequestShape,
+        who: Audience | None = None,
     ) -> tuple[Decision, ModelRoute]:
-        """Which branches answer ``req``, in order. A pinned branch answers alone; a
-        model name goes through the routing policy (requirement, filters, score)."""
-        route, branch = lookup(self._gateway.routes.current, req.model)
+        """Which branches answer ``req``, in order. A versioned model's version is
+        ``who``'s (``routing.versions``); a pinned branch answers alone; a model name
+        goes through the routing policy (requirement, filters, score)."""
+        route, branch = lookup(self._gateway.routes.current, req.model, who)
         if branch is not None:
             ready = self._gateway.residency.routable(branch)
             retry_s = self._settings.routing.retry_after_s
@@ -106,7 +112,9 @@ class Service:
     def explain(self, req: Request, headers: Mapping[str, str]) -> dict[str, Any]:
         """The decision for ``req`` without running it: per branch, each filter and the score."""
         check_limits(req, self._settings.limits)
-        route, branch = lookup(self._gateway.routes.current, req.model)
+        route, branch = lookup(
+            self._gateway.routes.current, req.model, Audience.of(req.user, headers)
+        )
         requirement, shape = self._routing_inputs(req, headers)  # a bad header is a 400 here too
         body: dict[str, Any] = {"model": route.name}
         if branch is not None:
@@ -140,10 +148,14 @@ class Service:
         return body
 
     async def decide(
-        self, req: Request, requirement: Requirement, shape: RequestShape
+        self,
+        req: Request,
+        requirement: Requirement,
+        shape: RequestShape,
+        who: Audience | None = None,
     ) -> tuple[Decision, tuple[Branch, ...]]:
         """``route``, waiting where the tier says to wait (``exact``: for the reference)."""
-        decision, route = self.route(req, requirement, shape)
+        decision, route = self.route(req, requirement, shape, who)
         if decision.wait_s is not None:
             wait_until = time.monotonic() + decision.wait_s
             while not decision.branch_ids:
@@ -153,7 +165,7 @@ class Service:
                         retry_after_s=self._settings.routing.retry_after_s,
                     )
                 await asyncio.sleep(_WAIT_POLL_S)
-                decision, route = self.route(req, requirement, shape)
+                decision, route = self.route(req, requirement, shape, who)
         return decision, route.by_id(decision.branch_ids)
 
     # -- running ----------------------------------------------------------------
@@ -177,8 +189,9 @@ class Service:
     ) -> Job:
         check_limits(req, self._settings.limits)
         gateway = self._gateway
-        route, _ = lookup(gateway.routes.current, req.model)
-        if not tenant.may_use(route.name):
+        who = Audience.of(req.user, headers)
+        route, _ = lookup(gateway.routes.current, req.model, who)
+        if not tenant.may_use(route.model):
             raise NotFoundError(
                 "The requested model does not exist, or this key may not use it.", param="model"
             )
@@ -190,7 +203,7 @@ class Service:
             )
         stamp = gateway.limits.started(tenant)  # counted now: no wait since the check
         try:
-            return await self._admit(req, headers, tenant, route.name, trace)
+            return await self._admit(req, headers, tenant, route.name, trace, who)
         except BaseException:
             gateway.limits.withdrawn(tenant, stamp)
             raise
@@ -202,6 +215,7 @@ class Service:
         tenant: Tenant,
         model: str,
         trace: RequestTrace,
+        who: Audience,
     ) -> Job:
         """The model's admission queue, routing and the engine requests of ``prepare``."""
         gateway = self._gateway
@@ -219,7 +233,7 @@ class Service:
         )
         trace.admitted(model, ticket.waited_s)
         try:
-            decision, branches = await self.decide(req, requirement, shape)
+            decision, branches = await self.decide(req, requirement, shape, who)
             info = branches[0].engine.info
             if info is not None:  # a model's branches share one vocabulary
                 check_vocabulary(req, info.n_vocab)
@@ -296,6 +310,11 @@ class Service:
     def status(self) -> dict[str, Any]:
         """``GET /admin/status``: branch states, circuit breakers, the retry budget."""
         return views.status_json(self._gateway)
+
+    async def reload(self) -> dict[str, Any]:
+        """``POST /admin/reload``: validate, verify, start, swap, drain (``api.reload``)."""
+        report = await self._gateway.reloader.reload("admin")
+        return report.to_json()
 
     def set_pressure(self, device_id: str, nbytes: int) -> None:
         """Simulated devices only: occupy ``nbytes`` of a device, as another tenant would."""

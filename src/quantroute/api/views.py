@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from quantroute.errors import NotFoundError
@@ -26,6 +26,8 @@ def branch_state(gateway: Gateway, branch: Branch) -> tuple[str, str | None]:
         return "failed", placement.problem
     if branch.engine.failure:
         return "failed", branch.engine.failure
+    if not branch.engine.ready and branch.id in gateway.superseded:
+        return "failed", gateway.superseded[branch.id]
     if gateway.residency.draining(branch.id):
         return "draining", None
     if gateway.residency.routable(branch):
@@ -38,7 +40,7 @@ def branch_state(gateway: Gateway, branch: Branch) -> tuple[str, str | None]:
 def models_json(gateway: Gateway, tenant: Tenant = OPEN) -> dict[str, Any]:
     data: list[dict[str, Any]] = []
     for route in gateway.routes.current.models.values():
-        if not tenant.may_use(route.name):
+        if not tenant.may_use(route.model):
             continue
         branches = []
         for b in route.branches:
@@ -58,6 +60,9 @@ def models_json(gateway: Gateway, tenant: Tenant = OPEN) -> dict[str, Any]:
                     "n_ctx": b.engine.info.n_ctx if b.engine.info else None,
                     "in_flight": b.engine.in_flight,
                     "profile": _profile_json(b.profile),
+                    "profile_state": "stale"
+                    if b.name in route.stale
+                    else ("measured" if b.profile else "unprofiled"),
                     "drift": _drift_json(gateway, b.id),
                 }
             )
@@ -68,6 +73,7 @@ def models_json(gateway: Gateway, tenant: Tenant = OPEN) -> dict[str, Any]:
                 "created": 0,
                 "owned_by": "quantroute",
                 "reference": route.reference,
+                "version": route.version,
                 "branches": branches,
                 "profile_warnings": list(route.profile_warnings),
             }
@@ -82,6 +88,21 @@ def models_json(gateway: Gateway, tenant: Tenant = OPEN) -> dict[str, Any]:
             }
             for b in branches
         ]
+    for split in gateway.routes.current.splits.values():
+        if tenant.may_use(split.model):
+            data.append(
+                {
+                    "id": split.model,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "quantroute",
+                    "versions": list(split.versions),
+                    "default_version": split.default,
+                    "traffic": [
+                        {k: v for k, v in asdict(r).items() if v is not None} for r in split.rules
+                    ],
+                }
+            )
     return {"object": "list", "data": data}
 
 
@@ -140,6 +161,8 @@ def status_json(gateway: Gateway) -> dict[str, Any]:
             "limit": budget.limit,
             "refused": budget.refused,
         },
+        "repository": gateway.reloader.status(),
+        "versions_answered": dict(gateway.answered),
     }
 
 

@@ -158,6 +158,12 @@ class Instruments:
             ["outcome"],
             registry=r,
         )
+        self.version_answers = Counter(
+            "quantroute_version_answers",
+            "Requests answered by each version of a model (traffic splits, canaries).",
+            ["model", "version"],
+            registry=r,
+        )
         self.prompt_cache_hits = Counter(
             "quantroute_prompt_cache_hit_tokens",
             "Prompt tokens served from a reused KV prefix instead of prefilled.",

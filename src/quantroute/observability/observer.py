@@ -161,6 +161,10 @@ class Observer:
             raise ValueError(f"hot reload outcome {outcome!r} is not {HOT_RELOAD_OUTCOMES}")
         self.instruments.hot_reloads.labels(outcome).inc()
 
+    def version_answered(self, model: str, version: str) -> None:
+        """A request of ``model`` (the name clients use) was answered by ``version``."""
+        self.instruments.version_answers.labels(model, version).inc()
+
     def prompt_cache_hit(self, model: str, branch: str, reused_tokens: int) -> None:
         """``reused_tokens`` of a prompt came from a cached KV prefix (not prefilled)."""
         self.instruments.prompt_cache_hits.labels(model, branch).inc(reused_tokens)

@@ -38,6 +38,7 @@ from quantroute.quality.profile import (
     BranchProfile,
     ProfileMethod,
     load_profiles,
+    stale_profiles,
 )
 from quantroute.quality.profiler import (
     ModelProfileResult,
@@ -74,6 +75,7 @@ __all__ = [
     "log_softmax",
     "profile_model",
     "profile_repo",
+    "stale_profiles",
     "summarize",
     "token_logprob",
     "top1_agreement",

@@ -248,3 +248,23 @@ def load_profiles(
             measured_at=rec.measured_at,
         )
     return result, warnings
+
+
+def stale_profiles(model_dir: Path, artifacts: Sequence[BranchArtifact]) -> frozenset[str]:
+    """The branches whose profile measured another file than theirs (replaced since it
+    was profiled; or, when the reference's file changed, every profiled branch). Such
+    a branch is unprofiled (:func:`load_profiles` gives it ``None``) and reported
+    *stale* until ``quantroute profile`` runs again."""
+    try:
+        doc = read_profile(model_dir)
+    except (OSError, ValidationError, ValueError):
+        return frozenset()
+    if not artifacts or doc.model != artifacts[0].model:
+        return frozenset()
+    profiled = {r.branch for r in doc.branches.values()}
+    reference = next((a for a in artifacts if a.is_reference), None)
+    if reference is not None and doc.reference.sha256 != reference.sha256:
+        return frozenset(a.name for a in artifacts if a.name in profiled)
+    return frozenset(
+        a.name for a in artifacts if a.name in profiled and a.sha256 not in doc.branches
+    )

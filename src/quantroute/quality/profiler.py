@@ -461,7 +461,7 @@ def profile_model(
     started = time.perf_counter()
     model_dir = Path(model_dir)
     manifest = load_manifest(model_dir)
-    artifacts = verify_artifacts(model_dir, manifest)  # reference first
+    artifacts = verify_artifacts(model_dir, manifest, isolated=True)  # reference first
     reference = artifacts[0]
     threads = n_threads or len(os.sched_getaffinity(0))
     text = default_calibration_text() if text is None else text

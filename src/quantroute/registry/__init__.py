@@ -1,34 +1,52 @@
-"""Model repositories: manifests, artifact verification, scanning."""
+"""Model repositories: manifests, artifact verification, signatures, scanning, watching."""
 
 from __future__ import annotations
 
-from quantroute.registry.gguf_check import GgufSummary, check_gguf
+from quantroute.registry.gguf_check import GgufSummary, check_gguf, check_gguf_isolated
 from quantroute.registry.manifest import (
     MANIFEST_NAME,
     BranchArtifact,
     BranchSpec,
+    EngineOptions,
     Manifest,
+    TrafficRule,
+    VersionSpec,
     check_artifacts,
+    check_versions,
     load_manifest,
     sha256_file,
     verify_artifacts,
     write_manifest,
 )
-from quantroute.registry.repository import ModelEntry, RepositoryScan, scan_repository
+from quantroute.registry.repository import ModelEntry, RepositoryScan, scan_model, scan_repository
+from quantroute.registry.signing import SIGNATURE_NAME, TrustPolicy, sign_model, verify_model
+from quantroute.registry.watcher import is_temporary, watch_repository
 
 __all__ = [
     "MANIFEST_NAME",
+    "SIGNATURE_NAME",
     "BranchArtifact",
     "BranchSpec",
+    "EngineOptions",
     "GgufSummary",
     "Manifest",
     "ModelEntry",
     "RepositoryScan",
+    "TrafficRule",
+    "TrustPolicy",
+    "VersionSpec",
     "check_artifacts",
     "check_gguf",
+    "check_gguf_isolated",
+    "check_versions",
+    "is_temporary",
     "load_manifest",
+    "scan_model",
     "scan_repository",
     "sha256_file",
+    "sign_model",
     "verify_artifacts",
+    "verify_model",
+    "watch_repository",
     "write_manifest",
 ]

@@ -10,6 +10,11 @@ keeps at most a few small numbers per tensor, so it can't exhaust memory or
 time. Only a file that passes is handed to ``gguf.GGUFReader`` (the memory
 model) or to llama.cpp.
 
+:func:`check_gguf_isolated` runs the same check in a child process bounded in
+time (a wall clock and ``RLIMIT_CPU``) and memory (``RLIMIT_AS``), so that even
+a bug of ours, or of a library, on a hostile file costs a child, never the
+gateway. ``python -m quantroute.registry.gguf_child FILE...`` is that child.
+
 >>> import io
 >>> check_gguf_stream(io.BytesIO(b"GGML"), 4)
 Traceback (most recent call last):
@@ -19,14 +24,18 @@ quantroute.errors.ArtifactIntegrityError: not a GGUF file (bad magic)
 
 from __future__ import annotations
 
+import json
+import os
 import struct
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from quantroute.errors import ArtifactIntegrityError
 
-__all__ = ["GgufSummary", "check_gguf", "check_gguf_stream"]
+__all__ = ["GgufSummary", "check_gguf", "check_gguf_isolated", "check_gguf_stream"]
 
 MAX_TENSORS = 1 << 20
 MAX_KV = 1 << 16
@@ -34,6 +43,8 @@ MAX_ARRAY = 1 << 24  # elements of one metadata array (vocabularies, merges)
 MAX_STRING = 1 << 24  # bytes of one string (chat templates are kilobytes)
 MAX_DIMS = 8
 MAX_HEADER_BYTES = 1 << 30  # a header (metadata + tensor table) larger than this is refused
+CHILD_TIMEOUT_S = 30.0  # wall clock of one isolated check (all its files)
+CHILD_MEMORY_BYTES = 1 << 30  # address space of the checking child
 
 # GGUF value types: fixed sizes; 8 = string, 9 = array
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -155,6 +166,10 @@ def check_gguf_stream(stream: BinaryIO, size: int) -> GgufSummary:
     data_offset = -(-r.pos // alignment) * alignment
     room = size - data_offset
     for offset, nbytes in extents:
+        if offset % alignment:
+            raise ArtifactIntegrityError(
+                f"a tensor's data offset {offset} is not a multiple of the alignment {alignment}"
+            )
         if offset + nbytes > room:
             raise ArtifactIntegrityError(
                 f"a tensor lies past the end of the file ({offset + nbytes} bytes of data "
@@ -180,3 +195,32 @@ def _skip_value(r: _Reader, kind: int, depth: int) -> None:
                 _skip_value(r, item, depth + 1)
     else:
         raise ArtifactIntegrityError(f"GGUF metadata value of unknown type {kind}")
+
+
+def check_gguf_isolated(
+    paths: list[Path],
+    *,
+    timeout_s: float = CHILD_TIMEOUT_S,
+    memory_bytes: int = CHILD_MEMORY_BYTES,
+) -> list[str | None]:
+    """:func:`check_gguf` of each path in one child process bounded in time and memory:
+    per path, ``None`` (sound) or the reason it is refused. A child that runs out of
+    time or memory, or dies, refuses every path with that reason. Blocking: call it
+    off the event loop."""
+    if not paths:
+        return []
+    argv = [sys.executable, "-m", "quantroute.registry.gguf_child", "--memory-bytes"]
+    argv += [str(memory_bytes), *(str(p) for p in paths)]
+    env = os.environ | {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run(argv, capture_output=True, timeout=timeout_s, env=env, check=False)
+    except subprocess.TimeoutExpired:
+        return [f"the GGUF check took over {timeout_s:g} s (refused)"] * len(paths)
+    try:
+        found = json.loads(done.stdout)
+        if done.returncode == 0 and isinstance(found, list) and len(found) == len(paths):
+            return [None if f is None else str(f) for f in found]
+    except ValueError:
+        pass
+    why = f"exit status {done.returncode}" if done.returncode >= 0 else f"signal {-done.returncode}"
+    return [f"the GGUF check failed ({why}; over its memory limit?)"] * len(paths)

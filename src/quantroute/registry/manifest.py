@@ -8,17 +8,25 @@
       f16:    {file: f16.gguf,    precision: f16,    sha256: 9f2c...}
       q8_0:   {file: q8_0.gguf,   precision: q8_0,   sha256: 41d0...}
       q4_k_m: {file: q4_k_m.gguf, precision: q4_k_m, sha256: c7aa...}
+      remote: {url: "https://gpu-box:8000/v1", engine: openai, precision: fp8}
+    versions:                    # optional: more versions, each its own branches
+      v2: {branches: {f16: {file: v2/f16.gguf, precision: f16, sha256: 77e1...}}}
+    traffic:                     # optional: which requests get which version
+      - {version: v2, header: x-ab-group, value: b}
+      - {version: v2, percent: 10}
 
-Loading verifies every file's sha256 before anything runs it.
+Loading validates the schema (errors name the file, the field and the
+problem); checking verifies every file's sha256 and GGUF header before
+anything runs it. See docs/repository.md.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -30,32 +38,110 @@ from quantroute.types import Precision
 MANIFEST_NAME = "quantroute.yaml"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_URL = re.compile(r"^https?://[^\s/?#]+[^\s]*$")
+_DEVICE = re.compile(r"^(cpu|cuda:[0-9]{1,3}|sim:[0-9]{1,3})$")
+_HEADER = re.compile(r"^[A-Za-z0-9-]+$")
 
 
-class BranchSpec(BaseModel):
-    """One precision of a model, as the manifest declares it."""
+class EngineOptions(BaseModel):
+    """A branch's own engine settings; unset ones come from ``engine.*``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    file: str = Field(description="GGUF file, relative to the model folder.")
+    n_ctx: int | None = Field(default=None, ge=16, le=1 << 20, description="Context length.")
+    parallel: int | None = Field(default=None, ge=1, le=256, description="Decode slots.")
+    n_batch: int | None = Field(default=None, ge=1, le=1 << 16, description="Prompt batch size.")
+    n_threads: int | None = Field(default=None, ge=1, le=1024, description="Threads of the worker.")
+
+
+class BranchSpec(BaseModel):
+    """One precision of a model, as the manifest declares it: a local GGUF ``file``
+    (with its ``sha256``) run by llama.cpp, or a remote ``url`` (an OpenAI-compatible
+    server; parsed and validated, served once a remote engine exists)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    file: str = Field("", description="GGUF file, relative to the model folder.")
+    url: str | None = Field(default=None, description="A remote engine's base URL.")
     precision: Precision
-    engine: Literal["llamacpp"] = "llamacpp"
-    sha256: str = Field(description="Hex sha256 of the file; checked before loading.")
+    engine: Literal["llamacpp", "openai"] = "llamacpp"
+    sha256: str = Field("", description="Hex sha256 of the file; checked before loading.")
+    device: str | None = Field(default=None, description="Device hint: cpu, cuda:N or sim:N.")
+    options: EngineOptions = EngineOptions()
 
     @field_validator("file")
     @classmethod
     def _relative(cls, value: str) -> str:
         path = Path(value)
-        if path.is_absolute() or ".." in path.parts:
+        if value and (path.is_absolute() or ".." in path.parts):
             raise ValueError("file must be a path inside the model folder")
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not _URL.match(value):
+            raise ValueError("url must be an http:// or https:// URL with a host")
         return value
 
     @field_validator("sha256")
     @classmethod
     def _hex(cls, value: str) -> str:
-        if not _SHA256.match(value):
+        if value and not _SHA256.match(value):
             raise ValueError("sha256 must be 64 lowercase hex digits")
         return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str | None) -> str | None:
+        if value is not None and not _DEVICE.match(value):
+            raise ValueError("device must be cpu, cuda:N or sim:N")
+        return value
+
+    @model_validator(mode="after")
+    def _source(self) -> BranchSpec:
+        if bool(self.file) == (self.url is not None):
+            raise ValueError("a branch has exactly one of file (local) or url (remote)")
+        if self.file:
+            if self.engine != "llamacpp":
+                raise ValueError(f"engine {self.engine} runs a url, not a file")
+            if not self.sha256:
+                raise ValueError("a file branch needs its sha256 (checked before loading)")
+        elif self.engine == "llamacpp":
+            raise ValueError("a url branch needs a remote engine (engine: openai)")
+        return self
+
+
+class VersionSpec(BaseModel):
+    """A further version of the model: its own branches (and reference)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reference: str | None = Field(default=None, description="Defaults to the model's.")
+    branches: dict[str, BranchSpec]
+
+
+class TrafficRule(BaseModel):
+    """Who gets ``version``: requests whose ``header`` equals ``value`` (an A/B group), or
+    ``percent`` of users by a stable hash of the user (sticky per user)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: str
+    percent: float | None = Field(default=None, gt=0, le=100)
+    header: str | None = Field(default=None, min_length=1, max_length=128)
+    value: str | None = Field(default=None, min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> TrafficRule:
+        by_header = self.header is not None or self.value is not None
+        if by_header == (self.percent is not None):
+            raise ValueError("a traffic rule has either percent, or header and value")
+        if by_header and (self.header is None or self.value is None):
+            raise ValueError("a header rule needs both header and value")
+        if self.header is not None and not _HEADER.match(self.header):
+            raise ValueError(f"header {self.header!r} is not a header name")
+        return self
 
 
 class Manifest(BaseModel):
@@ -65,6 +151,10 @@ class Manifest(BaseModel):
     reference: str
     description: str = ""
     branches: dict[str, BranchSpec]
+    version: str = Field(default="v1", description="The top-level branches' version.")
+    versions: dict[str, VersionSpec] = Field(default_factory=dict)
+    default_version: str | None = Field(default=None, description="Without a rule: this.")
+    traffic: list[TrafficRule] = Field(default_factory=list)
 
     @field_validator("model")
     @classmethod
@@ -75,21 +165,58 @@ class Manifest(BaseModel):
 
     @model_validator(mode="after")
     def _branches(self) -> Manifest:
-        if not self.branches:
-            raise ValueError("a model needs at least one branch")
-        for name in self.branches:
-            if not _NAME.match(name):
-                raise ValueError(f"branch name {name!r} must be 1-128 of A-Z a-z 0-9 . _ -")
-        if self.reference not in self.branches:
-            raise ValueError(f"reference branch {self.reference!r} is not among the branches")
+        if not _NAME.match(self.version):
+            raise ValueError("version: a version name must be 1-128 of A-Z a-z 0-9 . _ -")
+        _check_branches("branches", self.branches, self.reference)
+        for name, spec in self.versions.items():
+            if not _NAME.match(name) or name == self.version:
+                raise ValueError(
+                    f"versions.{name}: a version name must be new and 1-128 of A-Z a-z 0-9 . _ -"
+                )
+            _check_branches(
+                f"versions.{name}.branches", spec.branches, spec.reference or self.reference
+            )
+        names = self.version_names()
+        if self.default_version is not None and self.default_version not in names:
+            raise ValueError(f"default_version {self.default_version!r} is not a version")
+        if self.traffic and not self.versions:
+            raise ValueError("traffic rules need versions to send traffic to")
+        for i, rule in enumerate(self.traffic):
+            if rule.version not in names:
+                raise ValueError(f"traffic.{i}.version: {rule.version!r} is not a version")
+        total = sum(r.percent or 0.0 for r in self.traffic)
+        if total > 100:
+            raise ValueError(f"traffic: the percentages add up to {total:g} (at most 100)")
         return self
+
+    def version_names(self) -> list[str]:
+        return [self.version, *self.versions]
+
+    def version_spec(self, version: str | None = None) -> tuple[str, dict[str, BranchSpec]]:
+        """``(reference, branches)`` of ``version`` (``None``: the top-level one)."""
+        if version is None or version == self.version:
+            return self.reference, self.branches
+        spec = self.versions[version]
+        return spec.reference or self.reference, spec.branches
+
+
+def _check_branches(where: str, branches: dict[str, BranchSpec], reference: str) -> None:
+    if not branches:
+        raise ValueError(f"{where}: a model needs at least one branch")
+    for name in branches:
+        if not _NAME.match(name):
+            raise ValueError(f"{where}: branch name {name!r} must be 1-128 of A-Z a-z 0-9 . _ -")
+    if reference not in branches:
+        raise ValueError(f"{where}: reference branch {reference!r} is not among the branches")
 
 
 @dataclass(frozen=True, slots=True)
 class BranchArtifact:
     """A branch's file. ``problem`` is ``None`` when it exists, matches its declared
     sha256 and has a sound GGUF header; otherwise it says what is wrong, in words,
-    and the branch is failed (it never starts)."""
+    and the branch is failed (it never starts). ``version`` is ``None`` for a model
+    that declares no versions. A remote branch (``url``) has the model folder as its
+    ``path`` and, while no remote engine exists, a problem saying so."""
 
     model: str
     name: str
@@ -100,76 +227,177 @@ class BranchArtifact:
     size_bytes: int
     is_reference: bool
     problem: str | None = None
+    version: str | None = None
+    url: str | None = None
+    spec: BranchSpec | None = None
+    file_id: tuple[int, int, int] | None = None  # (device, inode, mtime_ns) when checked
+
+    def replaced(self) -> bool:
+        """The file at ``path`` is no longer the one that was checked (renamed over,
+        rewritten, removed): a worker must not load it unchecked."""
+        if self.file_id is None:
+            return False
+        try:
+            st = self.path.stat()
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino, st.st_mtime_ns) != self.file_id
+
+    @property
+    def route(self) -> str:
+        """The route this branch belongs to: ``model`` or ``model@version``."""
+        return self.model if self.version is None else f"{self.model}@{self.version}"
 
 
-def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
+def sha256_file(path: Path, chunk_bytes: int = 4 << 20) -> str:
+    """The file's sha256, streamed (a few MiB in memory, whatever its size)."""
     digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(chunk_bytes):
-            digest.update(chunk)
+    buffer = bytearray(chunk_bytes)
+    view = memoryview(buffer)
+    with path.open("rb", buffering=0) as fh:
+        while n := fh.readinto(buffer):
+            digest.update(view[:n])
     return digest.hexdigest()
 
 
 def load_manifest(model_dir: Path) -> Manifest:
+    """Parse and validate ``model_dir/quantroute.yaml``; a :class:`ManifestError` names
+    the file, the field and the problem (up to three of them)."""
     path = model_dir / MANIFEST_NAME
     try:
         raw = yaml.safe_load(path.read_text())
     except OSError as exc:
         raise ManifestError(f"cannot read {path}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ManifestError(f"{path} is not valid YAML") from exc
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{path}: the manifest must be a mapping (model, reference, branches)")
     try:
         return Manifest.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ManifestError(f"{path}: {where}: {first['msg']}") from exc
+        raise ManifestError(
+            f"{path}: " + "; ".join(_describe(e) for e in exc.errors()[:3])
+        ) from exc
 
 
-def check_artifacts(model_dir: Path, manifest: Manifest) -> list[BranchArtifact]:
-    """Every branch's file, checked: exists, matches its sha256, has a sound GGUF header
-    (:func:`~quantroute.registry.gguf_check.check_gguf`). A bad file fails its branch
-    alone (``problem``); the reference comes first."""
+def _describe(error: Any) -> str:
+    where = ".".join(str(p) for p in error["loc"])
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
+
+
+def check_artifacts(
+    model_dir: Path,
+    manifest: Manifest,
+    version: str | None = None,
+    *,
+    isolated: bool = False,
+    timeout_s: float | None = None,
+    memory_bytes: int | None = None,
+) -> list[BranchArtifact]:
+    """Every branch's file of ``version`` (``None``: the top-level branches), checked:
+    exists, matches its sha256, has a sound GGUF header
+    (:func:`~quantroute.registry.gguf_check.check_gguf`; with ``isolated``, in a child
+    process bounded in time and memory). A bad file fails its branch alone
+    (``problem``); the reference comes first."""
+    from quantroute.registry.gguf_check import check_gguf_isolated
+
+    reference, branches = manifest.version_spec(version)
+    tag = None if not manifest.versions else (version or manifest.version)
+    label = manifest.model if tag is None else f"{manifest.model}@{tag}"
     artifacts = []
-    for name, spec in manifest.branches.items():
+    headers: list[int] = []  # indices of the artifacts whose headers are to be checked
+    for name, spec in branches.items():
+        if spec.url is not None:
+            why = f"{label}:{name}: remote engine {spec.engine} is not available in this build"
+            artifacts.append(_artifact(manifest, tag, name, spec, model_dir, "", 0, reference, why))
+            continue
         path = (model_dir / spec.file).resolve()
-        problem, digest, size = None, spec.sha256, 0
+        problem: str | None = None
+        digest, size = spec.sha256, 0
+        file_id: tuple[int, int, int] | None = None
         if not path.is_file():
-            problem = f"{manifest.model}:{name}: file {spec.file} is missing"
+            problem = f"{label}:{name}: file {spec.file} is missing"
         else:
-            size = path.stat().st_size
+            st = path.stat()
+            size, file_id = st.st_size, (st.st_dev, st.st_ino, st.st_mtime_ns)
             digest = sha256_file(path)
-            if digest != spec.sha256:
+            after = path.stat()
+            if (after.st_dev, after.st_ino, after.st_mtime_ns) != file_id:
+                problem = f"{label}:{name}: {spec.file} changed while it was being checked"
+            elif digest != spec.sha256:
                 problem = (
-                    f"{manifest.model}:{name}: sha256 of {spec.file} is {digest[:12]}..., "
+                    f"{label}:{name}: sha256 of {spec.file} is {digest[:12]}..., "
                     f"the manifest says {spec.sha256[:12]}..."
                 )
             else:
-                try:
-                    check_gguf(path)
-                except ArtifactIntegrityError as exc:
-                    problem = f"{manifest.model}:{name}: {spec.file}: {exc.message}"
-        artifacts.append(
-            BranchArtifact(
-                model=manifest.model,
-                name=name,
-                precision=spec.precision,
-                engine=spec.engine,
-                path=path,
-                sha256=digest,
-                size_bytes=size,
-                is_reference=name == manifest.reference,
-                problem=problem,
+                headers.append(len(artifacts))
+        local = _artifact(manifest, tag, name, spec, path, digest, size, reference, problem)
+        artifacts.append(replace(local, file_id=file_id))
+    if headers:
+        if isolated:
+            limits: dict[str, Any] = {"timeout_s": timeout_s, "memory_bytes": memory_bytes}
+            found = check_gguf_isolated(
+                [artifacts[i].path for i in headers],
+                **{k: v for k, v in limits.items() if v is not None},
             )
-        )
+        else:
+            found = [_check_in_process(artifacts[i].path) for i in headers]
+        for i, refused in zip(headers, found, strict=True):
+            if refused is not None:
+                a = artifacts[i]
+                artifacts[i] = replace(a, problem=f"{label}:{a.name}: {a.path.name}: {refused}")
     artifacts.sort(key=lambda a: (not a.is_reference, a.precision.spec.rank, a.name))
     return artifacts
 
 
-def verify_artifacts(model_dir: Path, manifest: Manifest) -> list[BranchArtifact]:
+def _check_in_process(path: Path) -> str | None:
+    try:
+        check_gguf(path)
+    except ArtifactIntegrityError as exc:
+        return exc.message
+    return None
+
+
+def _artifact(
+    manifest: Manifest,
+    version: str | None,
+    name: str,
+    spec: BranchSpec,
+    path: Path,
+    digest: str,
+    size: int,
+    reference: str,
+    problem: str | None,
+) -> BranchArtifact:
+    return BranchArtifact(
+        model=manifest.model,
+        name=name,
+        precision=spec.precision,
+        engine=spec.engine,
+        path=path,
+        sha256=digest,
+        size_bytes=size,
+        is_reference=name == reference,
+        problem=problem,
+        version=version,
+        url=spec.url,
+        spec=spec,
+    )
+
+
+def check_versions(model_dir: Path, manifest: Manifest, **how: Any) -> list[list[BranchArtifact]]:
+    """:func:`check_artifacts` of every version of the model (``how``: its keyword
+    arguments), the top-level one first."""
+    return [check_artifacts(model_dir, manifest, v, **how) for v in manifest.version_names()]
+
+
+def verify_artifacts(
+    model_dir: Path, manifest: Manifest, *, isolated: bool = False
+) -> list[BranchArtifact]:
     """:func:`check_artifacts`, raising :class:`ArtifactIntegrityError` for the first bad
     file (the profiler and the builder need every file sound)."""
-    artifacts = check_artifacts(model_dir, manifest)
+    artifacts = check_artifacts(model_dir, manifest, isolated=isolated)
     for artifact in artifacts:
         if artifact.problem is not None:
             raise ArtifactIntegrityError(artifact.problem)
@@ -178,7 +406,17 @@ def verify_artifacts(model_dir: Path, manifest: Manifest) -> list[BranchArtifact
 
 def write_manifest(model_dir: Path, manifest: Manifest) -> Path:
     """Write ``quantroute.yaml`` (used by the demo builder and by tests)."""
-    data = manifest.model_dump(mode="json", exclude_defaults=False)
+    data = manifest.model_dump(mode="json", exclude_none=True)
+    for spec in [data["branches"], *(v["branches"] for v in data["versions"].values())]:
+        for branch in spec.values():
+            for key in ("options", "file", "sha256"):
+                if not branch[key]:
+                    del branch[key]
+    if not manifest.versions:
+        for key in ("version", "versions", "traffic"):
+            del data[key]
+    elif not manifest.traffic:
+        del data["traffic"]
     path = model_dir / MANIFEST_NAME
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path

@@ -17,9 +17,10 @@ from quantroute.registry.manifest import (
     MANIFEST_NAME,
     BranchArtifact,
     Manifest,
-    check_artifacts,
+    check_versions,
     load_manifest,
 )
+from quantroute.registry.signing import TrustPolicy, verify_model
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +29,16 @@ log = logging.getLogger(__name__)
 class ModelEntry:
     directory: Path
     manifest: Manifest
-    artifacts: tuple[BranchArtifact, ...]  # reference first
+    artifacts: tuple[BranchArtifact, ...]  # the top-level version's, reference first
+    versions: tuple[tuple[BranchArtifact, ...], ...] = ()  # every version's, top-level first
+    signature: str | None = None  # how its signature was checked ("verified by ..."), if it was
 
 
 @dataclass(frozen=True, slots=True)
 class RepositoryScan:
     models: tuple[ModelEntry, ...]
     problems: tuple[str, ...]  # one line per model left out
+    failed: tuple[Path, ...] = ()  # the folders of the models left out
 
 
 def model_dirs(repo: Path) -> list[Path]:
@@ -46,23 +50,57 @@ def model_dirs(repo: Path) -> list[Path]:
     return sorted(p for p in repo.iterdir() if (p / MANIFEST_NAME).is_file())
 
 
-def scan_repository(repo: Path) -> RepositoryScan:
+def scan_repository(
+    repo: Path,
+    trust: TrustPolicy | None = None,
+    *,
+    isolated: bool = True,
+    timeout_s: float | None = None,
+    memory_bytes: int | None = None,
+) -> RepositoryScan:
+    """Every model of ``repo``: its manifest validated, its signature verified under
+    ``trust``, every version's files checked (sha256, then the GGUF header in a
+    bounded child process unless ``isolated`` is false)."""
     models: list[ModelEntry] = []
     problems: list[str] = []
+    failed: list[Path] = []
     seen: set[str] = set()
     for directory in model_dirs(repo):
         try:
-            manifest = load_manifest(directory)
-            if manifest.model in seen:
-                raise ManifestError(f"model {manifest.model} is declared twice")
-            artifacts = check_artifacts(directory, manifest)
+            entry = scan_model(
+                directory, trust, isolated=isolated, timeout_s=timeout_s, memory_bytes=memory_bytes
+            )
+            if entry.manifest.model in seen:
+                raise ManifestError(f"model {entry.manifest.model} is declared twice")
         except ManifestError as exc:
             log.error("left out %s: %s", directory.name, exc.message)
             problems.append(exc.message)
+            failed.append(directory)
             continue
-        seen.add(manifest.model)
-        for artifact in artifacts:
+        seen.add(entry.manifest.model)
+        for artifact in (a for version in entry.versions for a in version):
             if artifact.problem is not None:
                 log.error("branch failed: %s", artifact.problem)
-        models.append(ModelEntry(directory, manifest, tuple(artifacts)))
-    return RepositoryScan(tuple(models), tuple(problems))
+        models.append(entry)
+    return RepositoryScan(tuple(models), tuple(problems), tuple(failed))
+
+
+def scan_model(
+    directory: Path,
+    trust: TrustPolicy | None = None,
+    *,
+    isolated: bool = True,
+    timeout_s: float | None = None,
+    memory_bytes: int | None = None,
+) -> ModelEntry:
+    """One model folder, as :func:`scan_repository` checks it; raises
+    :class:`ManifestError` (or its :class:`ArtifactIntegrityError`) for a bad manifest
+    or signature; a bad file is its branch's ``problem``."""
+    manifest = load_manifest(directory)
+    signature = verify_model(directory, trust or TrustPolicy())
+    versions = check_versions(
+        directory, manifest, isolated=isolated, timeout_s=timeout_s, memory_bytes=memory_bytes
+    )
+    return ModelEntry(
+        directory, manifest, tuple(versions[0]), tuple(map(tuple, versions)), signature
+    )

@@ -132,6 +132,10 @@ class Breakers:
             breaker = self._breakers[branch_id] = CircuitBreaker(self._policy)
         return breaker
 
+    def reset(self, branch_id: str) -> None:
+        """A fresh breaker for ``branch_id`` (a reload replaced its file and worker)."""
+        self._breakers.pop(branch_id, None)
+
     def is_open(self, branch_id: str) -> bool:
         """Routing's view: ``True`` while the breaker would turn a request away."""
         breaker = self._breakers.get(branch_id)

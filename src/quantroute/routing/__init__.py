@@ -4,7 +4,8 @@ Modules, leaf first: ``records`` (what the policy reads), ``requirement``
 (what a request asks), ``filters`` and ``score`` (the policy's two steps),
 ``policy`` (the choice and its explanation), ``table`` (models → branches,
 model lookup), ``states`` (building the records from live state),
-``residency`` (which branches are loaded).
+``residency`` (which branches are loaded), ``versions`` (a model's versions
+and the traffic rules that pick one per request).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from quantroute.routing.table import (
     lookup,
     parse_model_ref,
 )
+from quantroute.routing.versions import Audience, Rule, VersionSplit, user_bucket
 
 __all__ = [
+    "Audience",
     "Branch",
     "BranchState",
     "BranchStates",
@@ -38,6 +41,8 @@ __all__ = [
     "ResidentBranch",
     "RouteTable",
     "RouteTableRef",
+    "Rule",
+    "VersionSplit",
     "choose",
     "explain",
     "lookup",
@@ -45,4 +50,5 @@ __all__ = [
     "parse_requirement",
     "pinned",
     "plan_residency",
+    "user_bucket",
 ]

@@ -168,6 +168,11 @@ class Residency:
     def draining(self, branch_id: str) -> bool:
         return branch_id in self._draining
 
+    def forget(self, branch_id: str) -> None:
+        """A branch that left the route table (a reload removed or replaced it)."""
+        self._loaded.discard(branch_id)
+        self._draining.discard(branch_id)
+
     async def start(self, branches: Sequence[Branch]) -> None:
         """Start the engines of every placed branch (a branch without a device stays down)."""
         startable = [b for b in branches if self._device(b.id) is not None]

@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from quantroute.errors import NotFoundError
+from quantroute.routing.versions import Audience, VersionSplit
 from quantroute.types import Precision
 
 if TYPE_CHECKING:
@@ -34,6 +35,11 @@ class Branch:
     def id(self) -> str:
         return f"{self.model}:{self.name}"
 
+    @property
+    def version(self) -> str | None:
+        """The model version this branch belongs to (``m@v2`` → ``v2``), if any."""
+        return self.model.partition("@")[2] or None
+
 
 @dataclass(frozen=True, slots=True)
 class ModelRoute:
@@ -41,6 +47,16 @@ class ModelRoute:
     reference: str
     branches: tuple[Branch, ...]  # reference first, then by precision rank
     profile_warnings: tuple[str, ...] = ()  # why a branch has no valid profile
+    stale: frozenset[str] = frozenset()  # branches whose profile measured a replaced file
+
+    @property
+    def model(self) -> str:
+        """The model a client names: ``m`` for the route ``m@v2``."""
+        return self.name.partition("@")[0]
+
+    @property
+    def version(self) -> str | None:
+        return self.name.partition("@")[2] or None
 
     def branch(self, name: str) -> Branch | None:
         return next((b for b in self.branches if b.name == name), None)
@@ -54,11 +70,21 @@ class ModelRoute:
 @dataclass(frozen=True, slots=True)
 class RouteTable:
     models: Mapping[str, ModelRoute] = field(default_factory=lambda: MappingProxyType({}))
-    version: int = 0
+    version: int = 0  # the generation: one more at every reload that changed something
+    splits: Mapping[str, VersionSplit] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
-    def build(cls, routes: list[ModelRoute], version: int = 0) -> RouteTable:
-        return cls(MappingProxyType({r.name: r for r in routes}), version)
+    def build(
+        cls, routes: list[ModelRoute], version: int = 0, splits: list[VersionSplit] | None = None
+    ) -> RouteTable:
+        """``routes`` by name; a versioned model's routes are named ``model@version`` and
+        its ``VersionSplit`` picks one for a request that names the model alone."""
+        by_model = MappingProxyType({s.model: s for s in splits or ()})
+        return cls(MappingProxyType({r.name: r for r in routes}), version, by_model)
+
+    def names(self) -> list[str]:
+        """What a client may name: plain models, versioned models and their versions."""
+        return sorted({*self.models, *self.splits})
 
     def branches(self) -> list[Branch]:
         return [b for route in self.models.values() for b in route.branches]
@@ -77,13 +103,29 @@ def parse_model_ref(ref: str) -> tuple[str, str | None]:
     return model, (branch if sep else None)
 
 
-def lookup(table: RouteTable, ref: str) -> tuple[ModelRoute, Branch | None]:
+def lookup(
+    table: RouteTable, ref: str, who: Audience | None = None
+) -> tuple[ModelRoute, Branch | None]:
     """The model a request names, and its pinned branch if it names one (``m:b``).
-    An unknown model or branch is a 404 that lists what is served, never a default."""
+    A versioned model's version is ``who``'s by its rules (``m``), or pinned
+    (``m@v2``, ``m@v2:b``). An unknown model, version or branch is a 404 that lists
+    what is served, never a default."""
     name, pinned = parse_model_ref(ref)
+    split = table.splits.get(name)
+    if split is not None:
+        name = split.route_name(split.pick(who or Audience()))
     route = table.models.get(name)
     if route is None:
-        known = ", ".join(sorted(table.models)) or "none"
+        base, _, version = name.partition("@")
+        split = table.splits.get(base)
+        if split is not None and version:
+            raise NotFoundError(
+                f"The model {base} has no such version; its versions are "
+                + ", ".join(split.versions)
+                + ".",
+                param="model",
+            )
+        known = ", ".join(table.names()) or "none"
         raise NotFoundError(
             f"The requested model does not exist. Models served here: {known}.", param="model"
         )

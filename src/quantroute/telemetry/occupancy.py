@@ -266,6 +266,14 @@ class Occupancy:
             layers,
         )
 
+    def restore(self, branch_id: str, placement: Placement | None) -> None:
+        """Put a placement back (a reload that failed), or forget it (``None``: a branch
+        that is gone)."""
+        if placement is None:
+            self._placements.pop(branch_id, None)
+        else:
+            self._placements[branch_id] = placement
+
     def move(self, branch_id: str, device: str) -> None:
         self._placements[branch_id] = dataclasses.replace(
             self._placements[branch_id], device=device, oom_flag=self._oom_flag(device)

@@ -1,0 +1,177 @@
+"""From a repository scan to routes: one llama.cpp engine per branch of every version.
+
+:class:`Catalog` is what the gateway builds its first route table with and
+what a reload builds the next one with. A route's ``fingerprint`` is what
+decides its engines (files, sha256s, engine options, reference): a reload
+keeps the engines of a route whose fingerprint did not change and builds new
+ones for the rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from quantroute.config import Settings
+from quantroute.engines.base import Engine
+from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
+from quantroute.engines.supervisor import RestartPolicy
+from quantroute.quality.profile import load_profiles, stale_profiles
+from quantroute.registry.manifest import BranchArtifact
+from quantroute.registry.repository import ModelEntry, RepositoryScan, scan_repository
+from quantroute.registry.signing import TrustPolicy
+from quantroute.routing.table import Branch, ModelRoute
+from quantroute.routing.versions import Rule, VersionSplit
+from quantroute.telemetry import plan_cpu_affinity
+
+log = logging.getLogger(__name__)
+
+
+def default_threads(n_workers: int, cores: int | None = None) -> int:
+    """Threads per worker when not configured: the cores split among the workers,
+    one core left to the gateway. llama.cpp's threads spin while they wait, so
+    workers that together ask for more threads than there are cores slow each
+    other down by an order of magnitude on a small host."""
+    cores = cores or len(os.sched_getaffinity(0))
+    return max(1, (cores - 1) // max(n_workers, 1))
+
+
+def fingerprint(a: BranchArtifact) -> str:
+    """What decides a branch's engine, hashed: its file, sha256, problem and spec (engine
+    options, device). A reload that finds the same one keeps the engine."""
+    spec = a.spec.model_dump(mode="json") if a.spec is not None else {}
+    text = json.dumps([str(a.path), a.sha256, a.problem, a.url, spec], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelBuild:
+    """A model's routes from one scan, and its version split (versioned models)."""
+
+    model: str
+    routes: tuple[ModelRoute, ...]
+    split: VersionSplit | None
+    fingerprints: Mapping[str, str]  # branch id -> fingerprint
+    new_branches: tuple[Branch, ...]  # branches with engines built for this build
+
+
+class Catalog:
+    def __init__(self, settings: Settings):
+        self._settings = settings
+        e = settings.engine
+        self._policy = RestartPolicy(
+            backoff_s=e.restart_backoff_s,
+            backoff_max_s=e.restart_backoff_max_s,
+            stop_grace_s=e.cancel_grace_s,
+            max_crashes=e.max_crashes,
+            failed_retry_s=e.failed_retry_s,
+        )
+
+    def trust(self) -> TrustPolicy:
+        r = self._settings.repository
+        return TrustPolicy(
+            required=r.require_signatures,
+            public_key=r.public_key,
+            sigstore_identity=r.sigstore_identity,
+            sigstore_issuer=r.sigstore_issuer,
+        )
+
+    def scan(self) -> RepositoryScan:
+        """Validate and verify the repository (blocking: run it in a thread)."""
+        r = self._settings.repository
+        return scan_repository(
+            self._settings.repo,
+            self.trust(),
+            timeout_s=r.check_timeout_s,
+            memory_bytes=r.check_memory_bytes,
+        )
+
+    def build_all(self, scan: RepositoryScan) -> list[ModelBuild]:
+        """Every model of ``scan`` with new engines (the first table), CPUs pinned as
+        configured."""
+        e, t = self._settings.engine, self._settings.telemetry
+        n_workers = sum(len(v) for m in scan.models for v in m.versions)
+        pinning = (
+            plan_cpu_affinity(n_workers, pinned=t.cpu_affinity)
+            if (e.pin_cpus or t.cpu_affinity) and n_workers
+            else None
+        )
+        cpus = iter(tuple(sorted(p)) for p in pinning) if pinning else None
+        return [self.build(m, {}, n_workers, cpus) for m in scan.models]
+
+    def build(
+        self,
+        entry: ModelEntry,
+        keep: Mapping[str, tuple[str, Engine]],
+        n_workers: int,
+        cpus: Iterator[tuple[int, ...]] | None = None,
+    ) -> ModelBuild:
+        """``entry``'s routes. A branch in ``keep`` (id -> (fingerprint, engine)) with
+        the same fingerprint keeps its engine (with a fresh profile); the others get
+        new, unstarted engines."""
+        manifest = entry.manifest
+        routes, fingerprints, fresh = [], {}, []
+        versioned = bool(manifest.versions)
+        for version, artifacts in zip(manifest.version_names(), entry.versions, strict=True):
+            name = f"{manifest.model}@{version}" if versioned else manifest.model
+            reference, _ = manifest.version_spec(version)
+            profiles, warnings = load_profiles(entry.directory, artifacts)
+            stale = (
+                stale_profiles(entry.directory, artifacts)
+                if version == manifest.version
+                else frozenset()
+            )
+            for warning in warnings:
+                log.warning("profile: %s", warning)
+            branches = []
+            for a in artifacts:
+                fp = fingerprints[f"{name}:{a.name}"] = fingerprint(a)
+                old = keep.get(f"{name}:{a.name}")
+                engine = old[1] if old is not None and old[0] == fp else None
+                if engine is None:
+                    pinned = next(cpus, ()) if cpus is not None else ()
+                    engine = self.engine(name, a, n_workers, pinned)
+                    new = Branch(name, a.name, a.precision, a, engine, profiles[a.name])
+                    fresh.append(new)
+                    branches.append(new)
+                else:
+                    branches.append(Branch(name, a.name, a.precision, a, engine, profiles[a.name]))
+            routes.append(ModelRoute(name, reference, tuple(branches), tuple(warnings), stale))
+        split = None
+        if versioned:
+            split = VersionSplit(
+                manifest.model,
+                manifest.default_version or manifest.version,
+                tuple(
+                    Rule(r.version, r.percent, r.header.lower() if r.header else None, r.value)
+                    for r in manifest.traffic
+                ),
+                tuple(manifest.version_names()),
+            )
+        return ModelBuild(manifest.model, tuple(routes), split, fingerprints, tuple(fresh))
+
+    def engine(
+        self, route: str, a: BranchArtifact, n_workers: int, cpus: tuple[int, ...] = ()
+    ) -> LlamaCppEngine:
+        """A new (unstarted) engine for ``a``: the settings, then the branch's options."""
+        e = self._settings.engine
+        o = a.spec.options if a.spec is not None else None
+        threads = e.n_threads or (len(cpus) if cpus else default_threads(n_workers))
+        options = WorkerOptions(
+            n_ctx=(o.n_ctx if o else None) or e.n_ctx,
+            parallel=(o.parallel if o else None) or e.parallel,
+            n_threads=(o.n_threads if o else None) or threads,
+            n_batch=(o.n_batch if o else None) or e.n_batch,
+            log_level=self._settings.server.log_level,
+            start_timeout_s=e.start_timeout_s,
+            gen_idle_timeout_s=e.gen_idle_timeout_s,
+            score_timeout_s=e.score_timeout_s,
+            max_event_bytes=e.max_event_bytes,
+            cpus=cpus,
+            fault=e.fault_for(route, a.name) or e.fault_for(a.model, a.name),
+        )
+        return LlamaCppEngine(f"{route}:{a.name}", a.path, options, self._policy)

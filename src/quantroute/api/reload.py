@@ -1,0 +1,303 @@
+"""Hot reload of the model repository: verified, atomic, drained.
+
+A reload (the repository watcher, or ``POST /admin/reload``) runs, per model:
+
+1. **validate** — the manifest (schema), every file's GGUF header in a child
+   process bounded in time and memory;
+2. **verify** — every file's sha256 (streamed), the model's signature
+   (``registry.signing``; required where ``repository.require_signatures``);
+3. **start** new workers for the branches whose file or options changed (a
+   branch whose fingerprint is the same keeps its worker), and **warm** them
+   up (each engine's start does);
+4. **swap** the route table reference: requests routed from now on go to the
+   new branches; those already running keep their branch;
+5. **drain** the replaced branches — wait until nothing has been in flight on
+   them for ``repository.drain_quiet_s`` (at most ``drain_timeout_s``) — and
+   **stop** them.
+
+A model whose check or start fails keeps its old routes (the old version keeps
+serving) and the failure is logged, counted by outcome and kept for
+``GET /admin/status``. ``hooks`` are told every :class:`ReloadReport` (the
+metrics hook: observability can count ``reloads_total{outcome}`` from it).
+Reloads run one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from quantroute.api.catalog import ModelBuild
+from quantroute.routing.table import Branch, ModelRoute, RouteTable
+from quantroute.routing.versions import VersionSplit
+from quantroute.telemetry.occupancy import PlacementRequest
+
+if TYPE_CHECKING:
+    from quantroute.api.gateway import Gateway
+    from quantroute.registry.repository import RepositoryScan
+
+log = logging.getLogger(__name__)
+
+_DRAIN_POLL_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadReport:
+    """What one reload did. ``outcome``: ``swapped`` (a new table serves), ``unchanged``
+    (nothing to do) or ``failed`` (at least one model kept its old version; others
+    may have swapped, see ``swapped``)."""
+
+    outcome: str
+    trigger: str
+    at: float  # wall clock, seconds
+    generation: int  # the route table's, after the reload
+    check_s: float  # validate + verify
+    swap_s: float | None  # from the start to the swap (None: no swap)
+    duration_s: float  # to the last replaced worker stopped
+    swapped: tuple[str, ...] = ()  # routes with new workers, new or removed
+    failures: dict[str, str] = field(default_factory=dict)  # model -> why it kept its old version
+    drained: int = 0  # replaced branches stopped after their requests finished
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Reloader:
+    def __init__(self, gateway: Gateway):
+        self._gateway = gateway
+        self._lock = asyncio.Lock()
+        self.fingerprints: dict[str, str] = {}  # branch id -> fingerprint of the serving one
+        self._models_of: dict[Path, str] = {}  # model folder -> the model it serves
+        self.counts: Counter[str] = Counter()  # reloads by outcome
+        self.last: ReloadReport | None = None
+        self.last_failure: ReloadReport | None = None
+        self.hooks: list[Callable[[ReloadReport], None]] = []
+        self._draining: list[Branch] = []
+
+    def adopt(self, scan: RepositoryScan, builds: Sequence[ModelBuild]) -> None:
+        """The first table's fingerprints and folders (the gateway's start)."""
+        for build in builds:
+            self.fingerprints.update(build.fingerprints)
+        self._models_of = {m.directory: m.manifest.model for m in scan.models}
+
+    def status(self) -> dict[str, Any]:
+        """The repository part of ``GET /admin/status``."""
+        return {
+            "generation": self._gateway.routes.current.version,
+            "reloads": {k: self.counts.get(k, 0) for k in ("swapped", "unchanged", "failed")},
+            "last": self.last.to_json() if self.last else None,
+            "last_failure": self.last_failure.to_json() if self.last_failure else None,
+            "draining": [b.id for b in self._draining],
+        }
+
+    async def reload(self, trigger: str = "admin") -> ReloadReport:
+        """Reload the repository (see the module docstring); never raises for a bad model."""
+        async with self._lock:
+            started = time.monotonic()
+            try:
+                if self._gateway.fixed_table:
+                    raise RuntimeError(
+                        "this gateway serves a route table it was given, no repository"
+                    )
+                report = await self._reload(trigger, started)
+            except Exception as exc:  # a bug or an unreadable repository: keep serving
+                log.error(
+                    "reload (%s) failed: %s", trigger, exc, exc_info=not self._gateway.fixed_table
+                )
+                report = ReloadReport(
+                    "failed",
+                    trigger,
+                    time.time(),
+                    self._gateway.routes.current.version,
+                    time.monotonic() - started,
+                    None,
+                    time.monotonic() - started,
+                    failures={"repository": f"{type(exc).__name__}: {exc}"},
+                )
+            self.counts[report.outcome] += 1
+            self.last = report
+            if report.outcome == "failed":
+                self.last_failure = report
+                for model, why in report.failures.items():
+                    log.error("reload: %s keeps its old version: %s", model, why)
+            elif report.outcome == "swapped":
+                log.info(
+                    "reload: generation %d serves (%s) in %.3f s",
+                    report.generation,
+                    ", ".join(report.swapped) or "profiles",
+                    report.swap_s or 0.0,
+                )
+            for hook in self.hooks:
+                try:
+                    hook(report)
+                except Exception:
+                    log.exception("reload hook failed")
+            return report
+
+    async def _reload(self, trigger: str, started: float) -> ReloadReport:
+        gateway = self._gateway
+        scan = await asyncio.to_thread(gateway.catalog.scan)  # validate + verify, off the loop
+        check_s = time.monotonic() - started
+        current = gateway.routes.current
+        failures: dict[str, str] = {}
+        keep = {b.id: (self.fingerprints.get(b.id, ""), b.engine) for b in current.branches()}
+        n_workers = sum(len(v) for m in scan.models for v in m.versions)
+        builds: list[ModelBuild] = []
+        for entry in scan.models:
+            bad = [a.problem for v in entry.versions for a in v if a.problem and a.url is None]
+            if bad:
+                failures[entry.manifest.model] = "; ".join(p for p in bad if p)
+            else:
+                builds.append(gateway.catalog.build(entry, keep, n_workers))
+        for directory, problem in zip(scan.failed, scan.problems, strict=True):
+            failures[self._models_of.get(directory, directory.name)] = problem
+
+        fresh = [b for build in builds for b in build.new_branches]
+        builds = await self._start(builds, fresh, failures)
+
+        routes: list[ModelRoute] = []
+        splits: list[VersionSplit] = []
+        fingerprints: dict[str, str] = {}
+        for build in builds:
+            routes += build.routes
+            splits += [build.split] if build.split else []
+            fingerprints.update(build.fingerprints)
+        built = {b.model for b in builds}
+        for route in current.models.values():  # a failed model keeps its old routes
+            if route.model in failures and route.model not in built:
+                routes.append(route)
+                for b in route.branches:
+                    fingerprints[b.id] = self.fingerprints.get(b.id, "")
+        splits += [s for m, s in current.splits.items() if m in failures and m not in built]
+
+        serving = {id(b.engine) for r in routes for b in r.branches}
+        retired = [b for b in current.branches() if id(b.engine) not in serving]
+        swapped = sorted(
+            {b.model for b in fresh if id(b.engine) in serving} | {b.model for b in retired}
+        )
+        table = RouteTable.build(routes, current.version + 1, splits)
+        if not swapped and _view(table) == _view(current):
+            outcome = "failed" if failures else "unchanged"
+            now = time.monotonic() - started
+            return ReloadReport(
+                outcome, trigger, time.time(), current.version, check_s, None, now, (), failures
+            )
+        gateway.swap(table, retired)
+        swap_s = time.monotonic() - started
+        self.fingerprints = fingerprints
+        self._models_of = {
+            m.directory: m.manifest.model for m in scan.models if m.manifest.model in built
+        } | {d: m for d, m in self._models_of.items() if m in failures and m not in built}
+        drained = await self._drain(retired, {b.id for b in table.branches()})
+        return ReloadReport(
+            "failed" if failures else "swapped",
+            trigger,
+            time.time(),
+            table.version,
+            check_s,
+            swap_s,
+            time.monotonic() - started,
+            tuple(swapped),
+            failures,
+            drained,
+        )
+
+    async def _start(
+        self, builds: list[ModelBuild], fresh: list[Branch], failures: dict[str, str]
+    ) -> list[ModelBuild]:
+        """Place and start (with warm-up) the new branches; the builds whose new branches
+        all came up. A build with one that did not is failed, its new workers stopped and
+        the placements of the branches it would have replaced put back."""
+        if not fresh:
+            return builds
+        gateway = self._gateway
+        occupancy = gateway.occupancy
+        before = {b.id: occupancy.get(b.id) for b in fresh}
+        requests = [PlacementRequest(b.id, b.engine.model_path, b.artifact.problem) for b in fresh]
+        await asyncio.to_thread(occupancy.place_all, requests)
+        for b in fresh:
+            placement = occupancy.get(b.id)
+            if placement is not None:
+                b.engine.offload(placement.offload)
+        gateway.attach(fresh)
+        await gateway.residency.start(fresh)
+        ok: list[ModelBuild] = []
+        for build in builds:
+            down = [
+                b for b in build.new_branches if b.artifact.problem is None and not b.engine.ready
+            ]
+            if not down:
+                ok.append(build)
+                continue
+            failures[build.model] = "; ".join(
+                f"{b.id}: {b.engine.failure or 'did not become ready'}" for b in down
+            )
+            gateway.detach(build.new_branches)
+            for b in build.new_branches:
+                await b.engine.stop()
+                occupancy.restore(b.id, before.get(b.id))
+        return ok
+
+    async def _drain(self, retired: list[Branch], still_served: set[str]) -> int:
+        """Wait for the replaced branches' requests to finish, then stop their workers."""
+        if not retired:
+            return 0
+        settings = self._gateway.settings.repository
+        self._draining += retired
+        deadline = time.monotonic() + settings.drain_timeout_s
+        quiet_since: float | None = None
+        try:
+            while True:
+                now = time.monotonic()
+                busy = sum(b.engine.in_flight for b in retired)
+                if busy:
+                    quiet_since = None
+                elif quiet_since is None:
+                    quiet_since = now
+                if quiet_since is not None and now - quiet_since >= settings.drain_quiet_s:
+                    break
+                if now >= deadline:
+                    log.warning(
+                        "reload: %d requests still on the replaced branches after %.0f s; "
+                        "stopping them",
+                        busy,
+                        settings.drain_timeout_s,
+                    )
+                    break
+                await asyncio.sleep(_DRAIN_POLL_S)
+            for b in retired:
+                await b.engine.stop()
+                if b.id not in still_served:
+                    self._gateway.forget(b.id)
+        finally:
+            self._draining = [b for b in self._draining if b not in retired]
+        return len(retired)
+
+    async def stop(self) -> None:
+        """Stop the workers still draining (the gateway is stopping)."""
+        for b in list(self._draining):
+            await b.engine.stop()
+
+
+def _view(table: RouteTable) -> object:
+    """What a client or the policy can see of a table: two tables with the same view
+    need no swap."""
+    return (
+        sorted(
+            (
+                name,
+                r.reference,
+                tuple((b.name, id(b.engine), b.profile) for b in r.branches),
+                r.profile_warnings,
+                r.stale,
+            )
+            for name, r in table.models.items()
+        ),
+        sorted((m, s.default, s.rules, s.versions) for m, s in table.splits.items()),
+    )

@@ -1,0 +1,133 @@
+"""Model signatures in the OpenSSF model-signing format (the ``model-signing`` package).
+
+A model folder is signed whole — its manifest and every file — into
+``model.sig`` beside them (a Sigstore bundle). Two ways to sign and verify:
+
+- an elliptic-curve key pair (PEM files), entirely offline::
+
+      quantroute sign repo/tiny-llama --private-key signing.pem
+      quantroute verify repo/tiny-llama --public-key signing.pub.pem
+
+- Sigstore (keyless: an OIDC identity, the public transparency log), where
+  configured: ``--sigstore`` to sign, ``repository.sigstore_identity`` and
+  ``repository.sigstore_issuer`` to verify. It needs the network.
+
+What is left out of the signature: the signature itself, and what
+``quantroute profile`` writes later (``profile.json``, ``profile.png``).
+Files not named in the signature are not hashed on verifying (a new file
+only matters once the signed manifest names it, and then the manifest
+changed). ``repository.require_signatures`` makes an unsigned or unverifiable
+model a refused one; without it, a model with no ``model.sig`` is served
+unsigned, but a signature that is there must verify.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from quantroute.errors import ArtifactIntegrityError
+
+if TYPE_CHECKING:
+    from model_signing import hashing
+
+log = logging.getLogger(__name__)
+
+SIGNATURE_NAME = "model.sig"
+UNSIGNED_FILES = (SIGNATURE_NAME, "profile.json", "profile.png")
+
+
+@dataclass(frozen=True, slots=True)
+class TrustPolicy:
+    """How signatures are checked: with ``public_key`` (EC, offline) or a Sigstore
+    identity; ``required`` refuses models that are unsigned or can't be verified."""
+
+    required: bool = False
+    public_key: Path | None = None
+    sigstore_identity: str | None = None
+    sigstore_issuer: str | None = None
+
+    @property
+    def can_verify(self) -> bool:
+        return self.public_key is not None or self.sigstore_identity is not None
+
+
+def _hashing() -> hashing.Config:
+    from model_signing import hashing
+
+    config = hashing.Config()  # type: ignore[no-untyped-call]
+    return config.set_ignored_paths(paths=list(UNSIGNED_FILES))
+
+
+def sign_model(
+    model_dir: Path,
+    *,
+    private_key: Path | None = None,
+    password: str | None = None,
+    sigstore: bool = False,
+) -> Path:
+    """Sign ``model_dir`` into ``model_dir/model.sig`` with the EC ``private_key``, or
+    with Sigstore (``sigstore=True``: interactive or ambient OIDC, network)."""
+    from model_signing import signing
+
+    if (private_key is None) == (not sigstore):
+        raise ValueError("sign with exactly one of a private key or Sigstore")
+    config = signing.Config().set_hashing_config(_hashing())  # type: ignore[no-untyped-call]
+    if private_key is not None:
+        config = config.use_elliptic_key_signer(private_key=private_key, password=password)
+    else:
+        config = config.use_sigstore_signer(use_ambient_credentials=True)
+    target = model_dir / SIGNATURE_NAME
+    tmp = model_dir / f".{SIGNATURE_NAME}.tmp"
+    try:
+        config.sign(model_dir, tmp)
+    except ValueError as exc:  # a key model-signing can't read, say
+        tmp.unlink(missing_ok=True)
+        raise ArtifactIntegrityError(f"cannot sign {model_dir.name}: {exc}") from exc
+    tmp.replace(target)  # readers never see half a signature
+    return target
+
+
+def verify_model(model_dir: Path, policy: TrustPolicy) -> str | None:
+    """Check ``model_dir``'s signature under ``policy``: what verified it, in words, or
+    ``None`` for an unsigned model that ``policy`` does not require to be signed.
+    Raises :class:`ArtifactIntegrityError` for a signature that does not verify (a
+    changed byte, another key), or a required one that is missing or can't be checked."""
+    signature = model_dir / SIGNATURE_NAME
+    if not signature.is_file():
+        if policy.required:
+            raise ArtifactIntegrityError(
+                f"{model_dir.name}: no {SIGNATURE_NAME}, and the repository requires signatures"
+            )
+        return None
+    if not policy.can_verify:
+        if policy.required:
+            raise ArtifactIntegrityError(
+                f"{model_dir.name}: signatures are required but no key or Sigstore identity "
+                "is configured (repository.public_key / repository.sigstore_identity)"
+            )
+        log.warning("%s: has %s but nothing to verify it with", model_dir.name, SIGNATURE_NAME)
+        return None
+    from model_signing import verifying
+
+    config = verifying.Config()  # type: ignore[no-untyped-call]
+    config = config.set_hashing_config(_hashing()).set_ignore_unsigned_files(True)
+    if policy.public_key is not None:
+        config = config.use_elliptic_key_verifier(public_key=policy.public_key)
+        how = f"EC key {policy.public_key.name}"
+    else:
+        assert policy.sigstore_identity is not None
+        config = config.use_sigstore_verifier(
+            identity=policy.sigstore_identity, oidc_issuer=policy.sigstore_issuer or ""
+        )
+        how = f"Sigstore identity {policy.sigstore_identity}"
+    try:
+        config.verify(model_dir, signature)
+    except Exception as exc:  # model-signing raises ValueError and its backends' own errors
+        reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        raise ArtifactIntegrityError(
+            f"{model_dir.name}: the signature does not verify ({reason})"
+        ) from exc
+    return f"verified by {how}"
