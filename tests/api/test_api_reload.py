@@ -325,9 +325,6 @@ async def test_a_replacement_with_a_bad_signature_leaves_the_old_version_serving
         report = (await client.post("/admin/reload", headers=ADMIN)).json()
         assert report["outcome"] == "swapped", report
         assert await answering_artifact(client) == sha256_file(folder / "main.gguf")[:16]
-        metrics = (await client.get("/metrics")).text
-        assert 'quantroute_hot_reloads_total{outcome="rejected"} 3.0' in metrics
-        assert 'quantroute_hot_reloads_total{outcome="applied"} 1.0' in metrics
 
 
 def versioned_manifest(folder: Path, traffic: list[dict[str, Any]], other: str = "v2") -> None:
@@ -439,9 +436,6 @@ async def test_a_crashed_old_worker_is_not_restarted_on_an_unchecked_replacement
         report = (await client.post("/admin/reload", headers=ADMIN)).json()
         assert report["outcome"] == "swapped", report
         assert await answering_artifact(client) == sha256_file(folder / "main.gguf")[:16]
-        metrics = (await client.get("/metrics")).text
-        assert 'quantroute_hot_reloads_total{outcome="rejected"} 3.0' in metrics
-        assert 'quantroute_hot_reloads_total{outcome="applied"} 1.0' in metrics
         models = (await client.get("/v1/models")).json()["data"]
         (state,) = next(m for m in models if m["id"] == MODEL)["branches"]
         assert state["state"] == "ready"

@@ -63,3 +63,38 @@ def test_a_stale_reading_caps_free_memory_so_routing_turns_conservative() -> Non
     assert {s.device_free_bytes for s in capped} == {settings.tight_free_bytes - 1}
     tight = choose("tiny-llama", requirement, shape, capped, settings)
     assert tight.primary == "tiny-llama:q4_k_m"  # stale: the cheapest that meets the bound
+
+
+def test_a_record_is_kept_while_its_inputs_hold_and_rebuilt_when_they_move() -> None:
+    settings = RoutingSettings()
+    device = DeviceStats("sim:0", DeviceKind.SIM, "sim", 24 * GiB, 0, 24 * GiB)
+    holder = {"snapshot": DeviceSnapshot(devices=(device,), taken_at=time.monotonic())}
+    table = fake_table()
+    breakers = Breakers()
+    popularity = RecentRate()
+    states = BranchStates(
+        RouteTableRef(table),
+        lambda: holder["snapshot"],
+        lifecycle=_Ready(),
+        placements=_Placements(),
+        degraded=lambda branch_id: False,
+        breakers=breakers,
+        health=HealthTracker(),
+        margin=MarginPolicy(min_bytes=0, fraction=0.0),
+        popularity=popularity,
+        stale_free_cap_bytes=settings.tight_free_bytes - 1,
+    )
+    first = states.read("tiny-llama")
+    again = states.read("tiny-llama")
+    assert all(a is b for a, b in zip(first, again, strict=True))  # nothing moved
+    for _ in range(5):  # the default: five failures in a row open it
+        breakers.failure("tiny-llama:q8_0")
+    for _ in range(20):
+        popularity.record("tiny-llama:q4_k_m")
+    used = dataclasses.replace(device, used_bytes=8 * GiB, free_bytes=16 * GiB)
+    holder["snapshot"] = DeviceSnapshot(devices=(used,), taken_at=time.monotonic())
+    moved = states.read("tiny-llama")
+    assert all(s.device_free_bytes == 16 * GiB for s in moved)  # the device, for all
+    assert moved[2].recent_rate > 0 and first[2].recent_rate == 0
+    assert [s.name for s in moved if s.breaker_open] == ["q8_0"]
+    assert states.read("tiny-llama")[2] is moved[2]  # and kept again

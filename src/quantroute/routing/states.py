@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from quantroute.resilience.breaker import Breakers
 from quantroute.routing.records import BranchState
@@ -102,8 +102,13 @@ class BranchStates:
         # threshold): routing turns conservative — the cheapest branch that meets the
         # bound — never optimistic on a reading that may be long out of date.
         self._stale_free_cap_bytes = stale_free_cap_bytes
+        # branch id -> (the inputs it was built from, its record): reused while they hold
+        self._cache: dict[str, tuple[tuple[Any, ...], BranchState]] = {}
 
     def read(self, model: str) -> tuple[BranchState, ...]:
+        """Cheap enough for every request: each device is read once per call, and a
+        branch whose inputs did not change since the last call keeps its record (most of
+        them: a request changes the load of one branch)."""
         route = self._routes.current.models.get(model)
         if route is None:
             return ()
@@ -111,44 +116,86 @@ class BranchStates:
         now = time.monotonic()
         cap = self._stale_free_cap_bytes
         stale = cap is not None and snapshot is not None and snapshot.is_stale(now)
+        devices: dict[str, tuple[int, int, float, float]] = {}
+        cache = self._cache
         states = []
         for b in route.branches:
             placement = self._placements.get(b.id)
             device_id = placement.device if placement and placement.device else "cpu"
-            device = snapshot.device(device_id) if snapshot is not None else None
+            seen = devices.get(device_id)
+            if seen is None:
+                device = snapshot.device(device_id) if snapshot is not None else None
+                free = _free(self._margin.headroom(device), cap, stale) if device else 0
+                total = device.total_bytes if device else 0
+                seen = (free, total, self._health.factor(device_id), thermal_pressure(device))
+                devices[device_id] = seen
             info = b.engine.info
             parallel = info.parallel if info is not None else 1
             in_flight = b.engine.in_flight
-            profile = b.profile
-            states.append(
-                BranchState(
-                    id=b.id,
-                    model=b.model,
-                    name=b.name,
-                    precision=b.precision,
-                    is_reference=b.name == route.reference,
-                    ready=self._lifecycle.routable(b),
-                    breaker_open=self._breakers.is_open(b.id),
-                    degraded=self._degraded(b.id),
-                    mean_kld=profile.mean_kld if profile else None,
-                    top1=profile.top1 if profile else None,
-                    prefill_tps=profile.prefill_tps if profile else None,
-                    decode_tps=profile.decode_tps if profile else None,
-                    kv_bytes_per_token=placement.kv_bytes_per_token if placement else 0,
-                    device=device_id,
-                    device_free_bytes=_free(self._margin.headroom(device), cap, stale)
-                    if device
-                    else 0,
-                    device_total_bytes=device.total_bytes if device else 0,
-                    device_health=self._health.factor(device_id),
-                    running=min(in_flight, parallel),
-                    queued=max(0, in_flight - parallel),
-                    parallel=parallel,
-                    recent_rate=self._popularity.rate(b.id, now),
-                    heat=thermal_pressure(device),
-                )
+            inputs = (
+                b,  # a new route table's branch is a new object: its profile, its name
+                placement,
+                self._lifecycle.routable(b),
+                self._breakers.is_open(b.id),
+                self._degraded(b.id),
+                seen,
+                in_flight,
+                parallel,
+                # decays every instant: the record is rebuilt when it moved by 0.05 req/s
+                round(self._popularity.rate(b.id, now), 1),
             )
+            hit = cache.get(b.id)
+            if hit is not None and hit[0] == inputs:
+                states.append(hit[1])
+                continue
+            state = _state(route.reference, *inputs)
+            cache[b.id] = (inputs, state)
+            states.append(state)
+        if len(cache) > 4 * len(route.branches) + 64:  # branches of replaced tables
+            live = {b.id for r in self._routes.current.models.values() for b in r.branches}
+            for key in [k for k in cache if k not in live]:
+                del cache[key]
         return tuple(states)
+
+
+def _state(
+    reference: str,
+    b: Branch,
+    placement: Placement | None,
+    ready: bool,
+    breaker_open: bool,
+    degraded: bool,
+    device: tuple[int, int, float, float],
+    in_flight: int,
+    parallel: int,
+    recent_rate: float,
+) -> BranchState:
+    profile = b.profile
+    free, total, health, heat = device
+    return BranchState(
+        id=b.id,
+        model=b.model,
+        name=b.name,
+        precision=b.precision,
+        is_reference=b.name == reference,
+        ready=ready,
+        breaker_open=breaker_open,
+        degraded=degraded,
+        mean_kld=profile.mean_kld if profile else None,
+        top1=profile.top1 if profile else None,
+        prefill_tps=profile.prefill_tps if profile else None,
+        decode_tps=profile.decode_tps if profile else None,
+        kv_bytes_per_token=placement.kv_bytes_per_token if placement else 0,
+        device=placement.device if placement and placement.device else "cpu",
+        device_free_bytes=free,
+        device_total_bytes=total,
+        device_health=health,
+        running=min(in_flight, parallel),
+        queued=max(0, in_flight - parallel),
+        parallel=parallel,
+        recent_rate=recent_rate,
+        heat=heat,
+    )
 
 
 def _free(headroom: int, cap: int | None, stale: bool) -> int:
