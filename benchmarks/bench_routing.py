@@ -127,7 +127,7 @@ def make_requests(settings: RoutingSettings) -> list[tuple[Requirement, RequestS
         for i, (p, t) in enumerate([(128, 64), (512, 256), (2048, 512), (64, 16), (1024, 128)])
     ]
     return [
-        (parse_requirement(q, h, dl, None, None, settings), shape)
+        (parse_requirement(q, h, dl, None, settings), shape)
         for q, h, dl in qualities
         for shape in shapes
     ]

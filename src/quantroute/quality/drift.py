@@ -250,7 +250,8 @@ class DriftMonitor:
         return self._states.get(branch, DriftState())
 
     def degraded(self, branch: str) -> bool:
-        return self.state(branch).degraded
+        state = self._states.get(branch)  # per branch per request: no default built
+        return state is not None and state.degraded
 
     # -- the hot path: one cheap decision, never a wait -------------------------
 

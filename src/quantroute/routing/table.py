@@ -30,10 +30,10 @@ class Branch:
     artifact: BranchArtifact
     engine: Engine
     profile: BranchProfile | None = None  # measured quality and speed of this exact file
+    id: str = field(init=False, repr=False, compare=False)  # model:name, made once
 
-    @property
-    def id(self) -> str:
-        return f"{self.model}:{self.name}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "id", f"{self.model}:{self.name}")
 
     @property
     def version(self) -> str | None:
