@@ -429,13 +429,16 @@ class LlamaCppEngine:
         try:
             await self._send(command, wait_s())
             while True:
-                wait = wait_s()
-                try:
-                    async with asyncio.timeout(wait):
-                        item = await stream.get()
-                except TimeoutError as exc:
-                    stuck_after_s = idle_timeout_s or timeout_s or 0.0
-                    raise self._timed_out(proc, wait or 0.0, stuck_after_s) from exc
+                if not stream.empty() and (deadline is None or loop.time() < deadline):
+                    item = stream.get_nowait()  # the common case under load: no timer
+                else:
+                    wait = wait_s()
+                    try:
+                        async with asyncio.timeout(wait):
+                            item = await stream.get()
+                    except TimeoutError as exc:
+                        stuck_after_s = idle_timeout_s or timeout_s or 0.0
+                        raise self._timed_out(proc, wait or 0.0, stuck_after_s) from exc
                 if rid in self._paused and stream.qsize() <= STREAM_LOW_WATER:
                     self._paused.discard(rid)
                     self._post({"op": "resume", "id": rid})
