@@ -8,6 +8,7 @@ and ``--repo``. ``quantroute serve --help`` lists them all.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 from pathlib import Path
@@ -78,10 +79,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     obs = settings.observability
     configure_logging(settings.server.log_level, obs.log_format)
     app = create_app(settings)
+    # Chosen, not left to "auto": the streaming path's cost per token is measured on these
+    # (benchmarks/bench_gateway.py); uvicorn[standard] installs both where they build.
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    logging.getLogger(__name__).info("event loop %s, HTTP parser %s", loop, http)
     uvicorn.run(
         app,
         host=settings.server.host,
         port=settings.server.port,
+        loop=loop,
+        http=http,
         log_level=settings.server.log_level,
         log_config=None,  # uvicorn's lines go through our handler (JSON or plain)
         access_log=not obs.access_log,  # ours carries tokens, TTFT and the request id
