@@ -38,6 +38,8 @@ ENV_PREFIX = "QUANTROUTE_"
 
 
 class ServerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelled key is an error
+
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on.")
     max_body_bytes: int = Field(
@@ -57,6 +59,8 @@ class ServerSettings(BaseModel):
 
 class LimitSettings(BaseModel):
     """Bounds on request fields; anything outside them is a 400."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelled key is an error
 
     max_tokens: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
     max_stop: int = Field(4, ge=0, description="Most stop sequences in one request.")
@@ -78,6 +82,8 @@ class LimitSettings(BaseModel):
 
 class EngineSettings(BaseModel):
     """How llama.cpp worker processes run."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelled key is an error
 
     n_ctx: int = Field(
         0, ge=0, description="Context window per sequence; 0 uses the model's training context."
@@ -244,6 +250,8 @@ class TelemetrySettings(BaseModel):
 class AuthSettings(BaseModel):
     """Client API keys (tenants) and which read endpoints need one."""
 
+    model_config = ConfigDict(extra="forbid")  # a misspelled key is an error
+
     tenants_file: Path | None = Field(
         None,
         description="YAML file of tenants: keys, priority, rate and concurrency limits, models "
@@ -261,6 +269,8 @@ class AuthSettings(BaseModel):
 class AdmissionSettings(BaseModel):
     """The bounded, prioritised queue in front of each model."""
 
+    model_config = ConfigDict(extra="forbid")  # a misspelled key is an error
+
     queue_size: int = Field(
         64, ge=0, description="Requests that may wait for a model; one more is a 503."
     )
@@ -275,6 +285,8 @@ class AdmissionSettings(BaseModel):
 
 class ResilienceSettings(BaseModel):
     """Circuit breakers per branch, the retry budget, and the first-token timeout."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelled key is an error
 
     breaker_failures: int = Field(
         5, ge=1, description="Failures in a row (requests the branch failed) that open its breaker."
@@ -342,6 +354,8 @@ class DriftSettings(BaseModel):
 class StreamSettings(BaseModel):
     """Resumable streams (``GET /v1/streams/{id}``): what is kept of each stream, and how long
     a dropped one keeps generating."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelled key is an error
 
     retention_s: float = Field(
         300.0,
@@ -628,7 +642,7 @@ class ObservabilitySettings(BaseModel):
     )
 
 
-class RepositorySettings(BaseModel):
+class RepositorySettings(_Frozen):
     """The model repository while serving: signatures, file checks, hot reload."""
 
     require_signatures: bool = Field(

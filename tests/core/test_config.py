@@ -70,3 +70,18 @@ def test_default_threads_split_the_cores(workers: int, cores: int, threads: int)
     from quantroute.api.catalog import default_threads
 
     assert default_threads(workers, cores) == threads
+
+
+def test_every_settings_section_refuses_a_misspelled_key() -> None:
+    """A typo must not leave a safety setting at its default (require_signature → off)."""
+    from quantroute.config import Settings
+
+    sections = [
+        name
+        for name, field in Settings.model_fields.items()
+        if isinstance(field.annotation, type) and hasattr(field.annotation, "model_fields")
+    ]
+    assert "repository" in sections and "server" in sections
+    for name in sections:
+        with pytest.raises(ConfigError):
+            load_settings(**{name: {"no_such_setting_xyz": True}})

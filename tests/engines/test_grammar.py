@@ -64,6 +64,28 @@ def test_enforceable_schemas_convert(schema: dict[str, Any]) -> None:
     assert "root ::=" in schema_grammar(schema)
 
 
+@pytest.mark.parametrize(
+    ("schema", "named"),
+    [
+        ({"type": "string", "maxLength": 20_000}, "maxLength may be at most 512"),
+        ({"type": "string", "minLength": 3_000}, "minLength may be at most 256"),
+        ({"type": "array", "items": {"type": "null"}, "minItems": 40_000_000}, "minItems"),
+        ({"type": "array", "items": {}, "maxItems": 10**9}, "maxItems"),
+        ({"type": "string", "pattern": "^a{0,30000}$"}, "repetition count"),
+        ({"type": "string", "pattern": "^a{500}$"}, "repetition count"),
+        ({"type": "string", "maxLength": -1}, "non-negative integer"),
+        ({"type": "string", "maxLength": True}, "non-negative integer"),
+    ],
+)
+def test_counts_past_the_bounds_are_refused_before_any_grammar_is_built(
+    schema: dict[str, Any], named: str
+) -> None:
+    """A length or count the converter would nest that deep once crashed llama.cpp's
+    grammar parser (maxLength 20,000) or stalled the gateway building it."""
+    with pytest.raises(SchemaError, match=named):
+        schema_grammar(schema)
+
+
 def test_strings_admit_no_raw_control_characters() -> None:
     # llama.cpp's converter allows [^"\\] (a raw newline, which JSON forbids); ours not
     grammar = schema_grammar({"type": "string"})
@@ -113,9 +135,12 @@ SCHEMA = {
 }
 
 
-@pytest.mark.parametrize("grammar", [json_object_grammar(), schema_grammar(SCHEMA)])
+@pytest.mark.parametrize(
+    ("grammar", "schema"),
+    [(json_object_grammar(), {"type": "object"}), (schema_grammar(SCHEMA), SCHEMA)],
+)
 def test_the_closing_path_ends_valid_from_anywhere(
-    vocab: tuple[Any, int, list[bytes], list[int]], grammar: str
+    vocab: tuple[Any, int, list[bytes], list[int]], grammar: str, schema: dict[str, Any]
 ) -> None:
     """Random allowed tokens first (as a model at temperature 1 might), then the closing
     path: its length is what ``closing_length`` said, and the text validates."""
@@ -147,7 +172,31 @@ def test_the_closing_path_ends_valid_from_anywhere(
         g.close()
         assert steps == length
         value = json.loads(text.decode("utf-8", "replace"))  # as the worker decodes
-        if "properties" in grammar and "a-kv" in grammar:
-            jsonschema.validate(value, SCHEMA)
-        else:
-            assert isinstance(value, dict)
+        jsonschema.validate(value, schema)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "maxLength": 512},
+        {"type": "string", "minLength": 256},
+        {"type": "array", "items": {"type": "string", "maxLength": 100}, "maxItems": 512},
+        {"type": "string", "pattern": "^[a-z]{256,512}$"},
+    ],
+)
+def test_grammars_at_the_bounds_load_on_llama_cpps_sampler(
+    vocab: tuple[Any, int, list[bytes], list[int]], schema: dict[str, Any]
+) -> None:
+    """The largest counts allowed make grammars llama.cpp parses (in this process: a
+    crash would fail the test run, not pass it)."""
+    import numpy as np
+
+    from quantroute.engines.constrained import ClosingOrder, Grammar
+
+    v, n, pieces, eog = vocab
+    g = Grammar(v, n, schema_grammar(schema), ClosingOrder(pieces, eog))
+    try:
+        assert np.isfinite(g.mask(np.zeros(n, dtype=np.float32))).any()
+        assert g.closing_length(4096) is not None
+    finally:
+        g.close()

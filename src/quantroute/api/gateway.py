@@ -332,7 +332,10 @@ class Gateway:
             self.answered[run.branch.model] += 1
             self.observer.version_answered(run.branch.model.partition("@")[0], version)
         first = run.job.requests[0]
-        self.drift.offer(Replay(run.branch.id, first.prompt, tuple(tokens), first.parse_special))
+        if first.prompt_ids is None:  # a replay re-tokenizes the text: token prompts have none
+            self.drift.offer(
+                Replay(run.branch.id, first.prompt, tuple(tokens), first.parse_special)
+            )
 
     # -- engine events (EngineListener) ---------------------------------------
 

@@ -186,9 +186,15 @@ async def _to_first_tokens(
     try:
         while reads:
             done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+            failed = next((r for r in done if r.exception() is not None), None)
+            if failed is not None:
+                for read in done:  # every result retrieved: none is left unread
+                    read.exception()
+                    reads.pop(read)
+                failed.result()  # an engine error, or a stream that ended early
             for read in done:
                 i = reads.pop(read)
-                event = read.result()  # an engine error, or a stream that ended early
+                event = read.result()
                 pending[i].append(event)
                 waiting = not all(_committed(events) for events in pending)
                 if not isinstance(event, FinishEvent) and (waiting or not _committed(pending[i])):

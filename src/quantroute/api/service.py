@@ -103,7 +103,7 @@ class Service:
         ids = req.token_prompts if isinstance(req, CompletionRequest) else None
         shape = RequestShape(
             # an upper bound: a token is at least one byte of text
-            prompt_tokens=len(ids[0]) if ids else len(text.encode()) + 1,
+            prompt_tokens=max(map(len, ids)) if ids else len(text.encode()) + 1,
             max_tokens=limit or self._settings.limits.max_tokens,
             prefix=text[:_AFFINITY_PREFIX_CHARS],
         )

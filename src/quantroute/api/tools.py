@@ -103,7 +103,7 @@ def _call_text(name: str, arguments: Any) -> str:
 def _arguments(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's depth, too
         return text  # not JSON: pass it on as the client wrote it
 
 
@@ -192,7 +192,7 @@ class ParsedCall:
 def _parse_block(body: str) -> ParsedCall | None:
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # model output nested past the parser's depth
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None

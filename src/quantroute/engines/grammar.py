@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import re
 from collections.abc import Iterator, Sequence
 from functools import cache
 from types import ModuleType
@@ -59,6 +60,14 @@ _ANNOTATIONS = frozenset(
 _FORMATS = frozenset({"date", "time", "date-time", "uuid"})
 _TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 _MAX_SCHEMA_NODES = 2000
+# Bounds on counts, checked before any grammar is built. The converter nests one rule per
+# unit of a length or item count (llama.cpp's grammar parser crashed its process at a
+# maxLength of 20,000), and a minimum makes every sampled token walk the closing path
+# that long: these keep a grammar small and each token's check cheap.
+_MAX_MINIMUM = 256  # minLength, minItems, a pattern's {n}
+_MAX_MAXIMUM = 512  # maxLength, maxItems, a pattern's {n,m} (llama.cpp refuses ~1000)
+_MAX_GRAMMAR_CHARS = 1 << 20
+_REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 _LOOSE_CHAR = r'char ::= [^"\\] | '
 _JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] | '
 
@@ -111,7 +120,33 @@ def check_schema(schema: Any, where: str = "schema") -> None:
             isinstance(pattern, str) and pattern.startswith("^") and pattern.endswith("$")
         ):
             raise SchemaError(f"{path}.pattern: only anchored patterns (^...$) are supported")
+        _counts(path, node)
         _combination(path, node)
+
+
+def _counts(path: str, node: dict[str, Any]) -> None:
+    """Refuse counts whose grammar would be too large, or too slow to sample."""
+    for key, limit in (
+        ("minLength", _MAX_MINIMUM),
+        ("minItems", _MAX_MINIMUM),
+        ("maxLength", _MAX_MAXIMUM),
+        ("maxItems", _MAX_MAXIMUM),
+    ):
+        value = node.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SchemaError(f"{path}.{key} must be a non-negative integer")
+        if value > limit:
+            raise SchemaError(f"{path}.{key} may be at most {limit}")
+    pattern = node.get("pattern")
+    if isinstance(pattern, str):
+        for low, high in _REPEAT.findall(pattern):
+            if int(low) > _MAX_MINIMUM or (high and int(high) > _MAX_MAXIMUM):
+                raise SchemaError(
+                    f"{path}.pattern: a repetition count may be at most {_MAX_MINIMUM} "
+                    f"(a minimum) or {_MAX_MAXIMUM} (a maximum)"
+                )
 
 
 #: Keywords the converter reads only when another one is there (else it drops them).
@@ -193,8 +228,11 @@ def _convert(schemas: Sequence[tuple[str, Any]]) -> str:
             resolved = converter.resolve_refs(copy.deepcopy(schema), name)
             converter.visit(resolved, name)
         grammar: str = converter.format_grammar()
-    except (AssertionError, KeyError, TypeError, ValueError, RecursionError, IndexError) as exc:
-        raise SchemaError(f"the schema cannot be turned into a grammar: {exc!s:.200}") from None
+    except (AssertionError, KeyError, TypeError, ValueError, RecursionError, IndexError):
+        # the converter's message quotes the schema: say what, not what it held
+        raise SchemaError("the schema cannot be turned into a grammar") from None
+    if len(grammar) > _MAX_GRAMMAR_CHARS:
+        raise SchemaError(f"the schema's grammar is over {_MAX_GRAMMAR_CHARS >> 10} KiB")
     return grammar.replace(_LOOSE_CHAR, _JSON_CHAR)
 
 

@@ -593,6 +593,8 @@ class Worker:
                     n += 1
                 seq.fed += take
         batch.n_tokens = n
+        if n == 0:  # every sequence left is paused (or was just refused): nothing to decode
+            return
         if self._fault == "sigill-at-first-decode" and any(
             s.first_scored < 0 for s in self.active.values()
         ):
