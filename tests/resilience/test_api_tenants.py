@@ -138,3 +138,23 @@ async def test_a_flood_gets_200s_or_fast_503s_with_retry_after() -> None:
         assert statistics.median(t for code, t, _ in results if code == 200) > 0.05
         # and the next request succeeds
         assert (await c.post("/v1/completions", json=ASK)).status_code == 200
+
+
+async def test_the_status_page_lists_other_tenants_requests_to_the_admin_only(
+    tenants_file: Path,
+) -> None:
+    from qrtest import ADMIN, ADMIN_KEY
+
+    settings = load_settings(
+        auth={"tenants_file": str(tenants_file), "protect_metrics": True},
+        server={"admin_key": ADMIN_KEY},
+        telemetry={"devices": "sim:1x8GiB"},
+    )
+    async with serving(create_app(settings, table=fake_table())) as (c, _):
+        r = await c.post("/v1/completions", json=ASK, headers=_key("sk-big"))
+        assert r.status_code == 200
+        assert (await c.get("/dashboard/data")).status_code == 401  # protected
+        tenant = (await c.get("/dashboard/data", headers=_key("sk-limited"))).json()
+        admin = (await c.get("/dashboard/data", headers=ADMIN)).json()
+        assert tenant["requests"] == admin["requests"] == 1  # counts, for anyone with a key
+        assert tenant["recent"] == [] and len(admin["recent"]) == 1  # requests: the admin's

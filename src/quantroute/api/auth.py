@@ -56,6 +56,13 @@ async def require_client(request: Request) -> Tenant:
     return tenant
 
 
+def sees_everyone(request: Request) -> bool:
+    """Whether the caller may see other tenants' requests: the admin, or anyone while the
+    API is open."""
+    tenants: Tenants = request.app.state.tenants
+    return tenants.open or _is_admin(request, bearer_token(request))
+
+
 def require_key_if(setting: str) -> Callable[[Request], Awaitable[None]]:
     """A dependency for read endpoints: a client or the admin key, when ``auth.<setting>``
     says so and tenants are configured."""

@@ -12,7 +12,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from quantroute.api.auth import require_admin, require_client, require_key_if
+from quantroute.api.auth import require_admin, require_client, require_key_if, sees_everyone
 from quantroute.api.jobs import Run, Tick
 from quantroute.api.render import ResponseRenderer
 from quantroute.api.schemas import (
@@ -194,8 +194,9 @@ async def dashboard() -> HTMLResponse:
 
 @router.get("/dashboard/data", dependencies=[Depends(require_key_if("protect_metrics"))])
 async def dashboard_data(request: Request) -> dict[str, Any]:
-    """What the router did in the last minute, and the last requests (for the page)."""
-    return _service(request).dashboard()
+    """What the router did in the last minute, and the last requests (for the page): those
+    of every tenant for the admin key (or an open API) only."""
+    return _service(request).dashboard(everyone=sees_everyone(request))
 
 
 @router.get("/healthz")

@@ -303,9 +303,13 @@ class Service:
         """Prometheus text exposition: requests, routing, branches, devices."""
         return views.metrics_text(self._gateway)
 
-    def dashboard(self) -> dict[str, Any]:
-        """``GET /dashboard/data``: what the router did lately, for the status page."""
-        return self._gateway.observer.recent_json()
+    def dashboard(self, everyone: bool = True) -> dict[str, Any]:
+        """``GET /dashboard/data``: what the router did lately, for the status page; the
+        list of last requests (ids, models, tokens of every tenant) only for ``everyone``."""
+        data = self._gateway.observer.recent_json()
+        if not everyone:
+            data["recent"] = []
+        return data
 
     def status(self) -> dict[str, Any]:
         """``GET /admin/status``: branch states, circuit breakers, the retry budget."""
