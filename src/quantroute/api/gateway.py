@@ -291,9 +291,12 @@ class Gateway:
             self._branch_of[id(b.engine)] = b  # the same engine may have a fresh Branch
             if b.engine.ready:
                 self.superseded.pop(b.id, None)
+        previous = self.routes.current
         self.routes.current = table  # one reference assignment: requests see old or new
         old = self.drift
         self.drift = self._drift_monitor(table)
+        engines = {b.id: b.engine for b in previous.branches()}
+        self.drift.adopt(old, [b.id for b in table.branches() if engines.get(b.id) is b.engine])
         self.drift.start()
         self._spawn(old.stop())
 

@@ -160,6 +160,26 @@ class Reloader:
 
         fresh = [b for build in builds for b in build.new_branches]
         builds = await self._start(builds, fresh, failures)
+        try:
+            return await self._swap(trigger, started, check_s, scan, builds, fresh, failures)
+        except BaseException:  # a bug, or the gateway stopping: no started worker is left over
+            serving = {id(b.engine) for b in gateway.routes.current.branches()}
+            left = [b.engine for b in fresh if id(b.engine) not in serving]
+            await asyncio.shield(asyncio.gather(*(e.stop() for e in left), return_exceptions=True))
+            raise
+
+    async def _swap(
+        self,
+        trigger: str,
+        started: float,
+        check_s: float,
+        scan: RepositoryScan,
+        builds: list[ModelBuild],
+        fresh: list[Branch],
+        failures: dict[str, str],
+    ) -> ReloadReport:
+        gateway = self._gateway
+        current = gateway.routes.current
 
         routes: list[ModelRoute] = []
         splits: list[VersionSplit] = []

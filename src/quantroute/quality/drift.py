@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -248,6 +248,18 @@ class DriftMonitor:
 
     def state(self, branch: str) -> DriftState:
         return self._states.get(branch, DriftState())
+
+    def adopt(self, old: DriftMonitor, branches: Iterable[str]) -> None:
+        """Carry ``old``'s verdicts and open windows over for ``branches`` (the same worker
+        and the same baseline in both): a reload does not forget that a branch drifted."""
+        for b in branches:
+            if (
+                b in self._states
+                and b in old._states
+                and self._baselines.get(b) == old._baselines.get(b)
+            ):
+                self._states[b] = old._states[b]
+                self._windows[b] = old._windows[b]
 
     def degraded(self, branch: str) -> bool:
         state = self._states.get(branch)  # per branch per request: no default built
