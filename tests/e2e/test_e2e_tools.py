@@ -65,7 +65,8 @@ def _check_call(call: Any, name: str = "get_weather") -> dict[str, Any]:
 def _streamed(client: openai.OpenAI, **kwargs: Any) -> Any:
     """A streamed completion assembled as the openai client's own helper does."""
     state = ChatCompletionStreamState()
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
+    options = {"include_usage": True}
+    for chunk in client.chat.completions.create(stream=True, stream_options=options, **kwargs):
         state.handle_chunk(chunk)
     try:
         return state.get_final_completion()
@@ -104,7 +105,10 @@ def test_a_two_turn_tool_conversation(client: openai.OpenAI, stream: bool) -> No
     ]
     second = create(model="tiny-llama", messages=messages, tools=tools, max_tokens=16, seed=1)
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    assert second.usage is None or second.usage.prompt_tokens > first.usage.prompt_tokens
+    # the call and the tool's answer reached the prompt: the second turn's is longer by them
+    assert first.usage is not None and second.usage is not None
+    grown = second.usage.prompt_tokens - first.usage.prompt_tokens
+    assert grown >= len('{"temp": 21}') + len(call.function.arguments), grown
 
 
 @pytest.mark.parametrize("stream", [False, True])
