@@ -284,39 +284,42 @@ async def send(c: httpx.AsyncClient, planned: Planned, target: str, t0: float) -
 
 
 async def calibrate(args: argparse.Namespace) -> dict[str, Speed]:
-    """Each branch's median idle TTFT and decode speed, one request at a time, all loaded."""
+    """Each branch's median idle TTFT and decode speed, one request at a time, all loaded.
+
+    The branches take turns, round after round, so a change in the machine's load during
+    the calibration shifts them all alike rather than the branch measured last.
+    """
     server = make_server(args, "calibration")
-    speeds: dict[str, Speed] = {}
     n = max(args.max_tokens)
+    ttfts: dict[str, list[float]] = {b: [] for b in BRANCHES}
+    rates: dict[str, list[float]] = {b: [] for b in BRANCHES}
     try:
         server.start()
         await asyncio.to_thread(server.wait_ready, args.start_timeout_s)
         async with client(server) as c:
             profiles, _ = await read_model(c)
-            for branch in BRANCHES:
-                target = f"{MODEL}:{branch}"
-                ttfts, rates = [], []
-                for i in range(args.calibration_requests + 1):  # the first one warms up
+            for i in range(args.calibration_requests + 1):  # round 0 warms up
+                for branch in BRANCHES:
                     p = Planned(-1, 0.0, "fast", PROMPTS[i % len(PROMPTS)], n, 1.0)
-                    o = await send(c, p, target, time.perf_counter())
+                    o = await send(c, p, f"{MODEL}:{branch}", time.perf_counter())
                     if o.status != 200 or o.ttft_s is None or o.tokens < 2:
-                        raise RuntimeError(f"calibration request to {target} failed: {o}")
+                        raise RuntimeError(f"calibration request to {branch} failed: {o}")
                     if i:
-                        ttfts.append(o.ttft_s * 1000.0)
-                        rates.append((o.tokens - 1) / (o.done_s - o.sent_s - o.ttft_s))
-                profile_tps = profiles.get(target, {}).get("decode_tps")
-                speeds[branch] = Speed(
-                    branch, statistics.median(ttfts), statistics.median(rates), profile_tps
-                )
-                s = speeds[branch]
-                log.info(
-                    "calibration %-7s TTFT %.1f ms, decode %.0f tok/s (profile: %s tok/s); "
-                    "%d tokens in %.1f ms",
-                    *(branch, s.ttft_ms, s.decode_tps, rep.fmt(profile_tps, ".0f")),
-                    *(n, s.service_ms(n)),
-                )
+                        ttfts[branch].append(o.ttft_s * 1000.0)
+                        rates[branch].append((o.tokens - 1) / (o.done_s - o.sent_s - o.ttft_s))
     finally:
         server.stop()
+    speeds: dict[str, Speed] = {}
+    for branch in BRANCHES:
+        profile_tps = profiles.get(f"{MODEL}:{branch}", {}).get("decode_tps")
+        s = speeds[branch] = Speed(
+            branch, statistics.median(ttfts[branch]), statistics.median(rates[branch]), profile_tps
+        )
+        log.info(
+            "calibration %-7s TTFT %.1f ms, decode %.0f tok/s (profile: %s tok/s); "
+            "%d tokens in %.1f ms",
+            *(branch, s.ttft_ms, s.decode_tps, rep.fmt(profile_tps, ".0f"), n, s.service_ms(n)),
+        )
     return speeds
 
 
@@ -581,7 +584,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="lengths, drawn uniformly per request")  # fmt: skip
     p.add_argument("--slack", type=float, nargs=2, default=[1.0, 4.0], metavar=("LO", "HI"),
                    help="deadline / fastest idle service time, drawn log-uniformly")  # fmt: skip
-    p.add_argument("--calibration-requests", type=int, default=5, help="per branch")
+    p.add_argument("--calibration-requests", type=int, default=8, help="per branch")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument(
         "--phases-gib",
