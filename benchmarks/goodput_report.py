@@ -389,15 +389,19 @@ def save_chart(
             xs = [p + (i - (n - 1) / 2) * width for p in range(len(phases))]
             heights = [0.0 if v is None else float(v) for v in values]
             ax.bar(xs, heights, width, color=COLORS.get(s.policy, "0.5"), label=s.policy)
+            for x, v in zip(xs, values, strict=True):
+                if v is None:  # nothing answered in that phase: no KLD, no TTFT
+                    ax.text(x, 0, "n/a", rotation=90, ha="center", va="bottom", fontsize=6)
         ax.set_xticks(range(len(phases)), labels)
+        if ax in axes[-1]:
+            ax.set_xlabel("memory phase: room for the model's branches", fontsize=9)
         ax.set_title(title, fontsize=10)
         ax.set_ylim(bottom=0)
         if metric == "mean_kld":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
     axes.flat[0].legend(fontsize=8, ncol=2)
-    fig.supxlabel("memory phase: room for the model's branches", fontsize=9)
     fig.text(0.5, 0.005, "\n".join(textwrap.wrap(caption, 190)), ha="center", fontsize=7)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
