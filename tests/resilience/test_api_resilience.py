@@ -13,8 +13,9 @@ import httpx
 from qrtest import ADMIN, ADMIN_KEY, fake_table, serving
 from quantroute.api.app import create_app
 from quantroute.config import load_settings
-from quantroute.engines.base import Engine
+from quantroute.engines.base import Engine, EngineEvent, GenerationRequest
 from quantroute.engines.fake import FakeEngine, FakeFaults
+from quantroute.errors import DeviceOutOfMemoryError
 
 FAST = {"model": "tiny-llama", "prompt": "x", "max_tokens": 2, "quality": "fast"}
 
@@ -111,3 +112,34 @@ async def test_the_retry_budget_caps_retries() -> None:
     async with _client(engines, retry_ratio=0.0, retry_min=2, breaker_failures=100) as c:
         r = await c.post("/v1/completions", json=FAST)
         assert r.status_code == 200 and r.headers["x-quantroute-branch"] == "tiny-llama:q4_k_m"
+
+
+class _OutOfMemory(FakeEngine):
+    """Fails every new sequence's KV allocation while ``out`` is set, as a worker on a device
+    over its budget does."""
+
+    out = True
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
+        if self.out:
+            raise DeviceOutOfMemoryError("fake: no room for the KV cache")
+        async for event in super().generate(request):
+            yield event
+
+
+async def test_out_of_memory_falls_back_without_opening_the_breaker() -> None:
+    # the device's memory, not the branch's fault: once memory is back the branch serves at
+    # once, where an open breaker would keep it shut for its open time
+    oom = _OutOfMemory()
+    async with _client({"f16": oom, "q8_0": FakeEngine()}, breaker_open_s=30.0) as c:
+        for _ in range(5):  # more than breaker_failures (3) in a row
+            r = await c.post("/v1/completions", json=FAST | {"model": "tiny-llama:f16"})
+            assert r.status_code == 503
+            assert r.json()["error"]["code"] == "device_out_of_memory"
+            r = await c.post("/v1/completions", json=FAST)  # f16 first, as ample memory says
+            assert r.status_code == 200 and r.headers["x-quantroute-branch"] == "tiny-llama:q8_0"
+        status = (await c.get("/admin/status", headers=ADMIN)).json()
+        assert status["branches"]["tiny-llama:f16"]["breaker"]["state"] == "closed"
+        oom.out = False
+        r = await c.post("/v1/completions", json=FAST | {"model": "tiny-llama:f16"})
+        assert r.status_code == 200 and r.headers["x-quantroute-branch"] == "tiny-llama:f16"

@@ -19,6 +19,7 @@ from quantroute.api.jobs import Job, Run, close_all
 from quantroute.engines.base import EngineEvent, FinishEvent, StartEvent, TokenEvent
 from quantroute.errors import (
     ContextLengthExceededError,
+    DeviceOutOfMemoryError,
     EngineError,
     ServiceUnavailableError,
 )
@@ -76,7 +77,13 @@ class Runner:
                     exc.param = "messages" if job.kind == "chat" else "prompt"
                     raise
                 except EngineError as exc:
-                    gateway.breakers.failure(branch.id)
+                    if isinstance(exc, DeviceOutOfMemoryError):
+                        # the device's state, not the branch's fault: residency and the memory
+                        # filter deal with it, and a breaker would keep the one branch that
+                        # still fits shut for its open time after memory is back
+                        gateway.breakers.release(branch.id)
+                    else:
+                        gateway.breakers.failure(branch.id)
                     job.trace.attempt_failed(branch, exc)
                     last = exc
                     log.warning(
