@@ -140,6 +140,11 @@ class EngineSettings(BaseModel):
         le=1 << 23,
         description="Longest event line a worker may send; a longer one fails its request only.",
     )
+    prompt_cache: bool = Field(
+        True,
+        description="Keep finished sequences' KV cells in their slots and reuse the longest "
+        "shared token prefix of a new prompt (prefill only the rest).",
+    )
     faults: dict[
         str, Literal["sigill-at-first-decode", "exit-at-load", "oversize-line", "oom-at-decode"]
     ] = Field(

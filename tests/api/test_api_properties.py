@@ -53,6 +53,11 @@ def check_answer(r: httpx.Response) -> None:
     assert MARK not in r.text and HEADER_MARK not in r.text, r.text[:500]
     assert all(MARK not in v and HEADER_MARK not in v for v in r.headers.values())
     if r.status_code < 400:
+        answer = r.json() if "json" in r.headers.get("content-type", "") else None
+        usage = answer.get("usage") if isinstance(answer, dict) else None
+        if isinstance(usage, dict) and "prompt_tokens" in usage:  # a completion, not a stream
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            assert 0 <= cached <= usage["prompt_tokens"], usage
         return
     body = r.json()
     assert set(body) == {"error"}, body

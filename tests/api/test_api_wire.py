@@ -122,7 +122,12 @@ async def test_n_choices_and_several_prompts(client: httpx.AsyncClient) -> None:
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert all(c["text"] == "def" for c in body["choices"])
     # prompts of 1 and 2 characters are 2 and 3 fake tokens, each counted once
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 12,
+        "total_tokens": 17,
+        "prompt_tokens_details": {"cached_tokens": 0},  # the fake engine caches nothing
+    }
 
 
 async def test_logprobs_in_both_formats(client: httpx.AsyncClient) -> None:

@@ -171,6 +171,7 @@ class Catalog:
             gen_idle_timeout_s=e.gen_idle_timeout_s,
             score_timeout_s=e.score_timeout_s,
             max_event_bytes=e.max_event_bytes,
+            prompt_cache=e.prompt_cache,
             cpus=cpus,
             fault=e.fault_for(route, a.name) or e.fault_for(a.model, a.name),
         )

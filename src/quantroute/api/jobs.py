@@ -83,6 +83,7 @@ class Run:
         prompt_tokens: list[int],
         on_finished: Callable[[Run, list[int]], None] | None = None,
         *,
+        cached_tokens: list[int] | None = None,
         pending: list[list[EngineEvent]] | None = None,
         on_done: Callable[[Run, bool | None], None] | None = None,
         stall_timeout_s: float | None = None,
@@ -90,6 +91,7 @@ class Run:
         self.job = job
         self.branch = branch
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens or [0] * len(prompt_tokens)  # from prompt caches
         self._streams = streams
         self._pending = pending or [[] for _ in streams]
         self._on_finished = on_finished

@@ -45,14 +45,16 @@ class ResponseRenderer:
             "system_fingerprint": f"quantroute-{self.run.branch.artifact.sha256[:12]}",
         }
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         # The n choices of one prompt share it: count each prompt once.
         prompt = sum(self.run.prompt_tokens[:: self.run.job.n])
+        cached = sum(self.run.cached_tokens[:: self.run.job.n])
         completion = sum(c.completion_tokens for c in self.choices)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     def _logprob_entry(self, choice: _Choice, event: TokenEvent) -> dict[str, Any] | None:

@@ -120,6 +120,7 @@ class Runner:
         streams: list[AsyncIterator[EngineEvent]] = []
         pending: list[list[EngineEvent]] = []
         prompt_tokens: list[int] = []
+        cached_tokens: list[int] = []
         try:
             async with asyncio.timeout(timeout_s):
                 for request in job.requests:
@@ -130,7 +131,8 @@ class Runner:
                 if not isinstance(events[0], StartEvent):
                     raise EngineError(f"branch {branch.id} skipped its start event")
                 prompt_tokens.append(events[0].prompt_tokens)
-            job.trace.first_token()
+                cached_tokens.append(events[0].cached_tokens)
+            job.trace.first_token(sum(cached_tokens[:: job.n]))
         except TimeoutError as exc:
             await close_all(streams)
             if by_deadline:  # the client's deadline, not the branch's failure: no fallback
@@ -165,6 +167,7 @@ class Runner:
             streams,
             prompt_tokens,
             self._gateway.finished,
+            cached_tokens=cached_tokens,
             pending=pending,
             on_done=done,
             stall_timeout_s=self._settings.resilience.reader_stall_timeout_s,

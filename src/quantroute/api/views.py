@@ -7,6 +7,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from quantroute.engines.base import PromptCacheStats
 from quantroute.errors import NotFoundError
 from quantroute.observability.metrics import BranchSample, DeviceSample, ModelSample
 from quantroute.quality.profile import BranchProfile
@@ -59,6 +60,7 @@ def models_json(gateway: Gateway, tenant: Tenant = OPEN) -> dict[str, Any]:
                     "size_bytes": b.artifact.size_bytes,
                     "n_ctx": b.engine.info.n_ctx if b.engine.info else None,
                     "in_flight": b.engine.in_flight,
+                    "prompt_cache": _prompt_cache_json(b.engine.prompt_cache),
                     "profile": _profile_json(b.profile),
                     "profile_state": "stale"
                     if b.name in route.stale
@@ -104,6 +106,18 @@ def models_json(gateway: Gateway, tenant: Tenant = OPEN) -> dict[str, Any]:
                 }
             )
     return {"object": "list", "data": data}
+
+
+def _prompt_cache_json(stats: PromptCacheStats | None) -> dict[str, Any] | None:
+    """The branch's prompt cache: reused tokens / prompt tokens since its engine started."""
+    if stats is None:
+        return None
+    return {
+        "enabled": stats.enabled,
+        "prompt_tokens": stats.prompt_tokens,
+        "cached_tokens": stats.cached_tokens,
+        "hit_rate": stats.hit_rate,
+    }
 
 
 def model_json(gateway: Gateway, model_id: str, tenant: Tenant = OPEN) -> dict[str, Any]:

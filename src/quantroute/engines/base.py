@@ -2,7 +2,7 @@
 
 An engine turns a :class:`GenerationRequest` into a stream of events::
 
-    StartEvent(prompt_tokens)          exactly once, first: the prompt was accepted
+    StartEvent(prompt_tokens, cached_tokens)   exactly once, first: the prompt was accepted
     TokenEvent(text, token_id, ...)    zero or more
     FinishEvent(reason, usage)         exactly once, last
 
@@ -86,6 +86,26 @@ class GenerationRequest:
 @dataclass(frozen=True, slots=True)
 class StartEvent:
     prompt_tokens: int
+    cached_tokens: int = 0  # of them, reused from the engine's prompt cache (not prefilled)
+
+
+@dataclass(slots=True)
+class PromptCacheStats:
+    """An engine's prompt cache so far: the prompt tokens of the generations it started
+    (warm-ups not counted) and how many of them came from cached KV cells."""
+
+    enabled: bool = True
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, event: StartEvent) -> None:
+        self.prompt_tokens += event.prompt_tokens
+        self.cached_tokens += event.cached_tokens
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Reused tokens / prompt tokens; ``None`` before any prompt."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +205,8 @@ class Engine(Protocol):
     ``model_path`` (a local model file the memory model can read; ``None`` for
     a remote engine, which costs no local memory), ``failure`` (why it is
     failed, in words), ``can_score`` (whether ``write_logits`` and ``score``
-    work: the drift monitor's teacher-forced replay).
+    work: the drift monitor's teacher-forced replay), ``prompt_cache`` (its prompt
+    cache's counts; ``None`` for an engine without one).
     """
 
     @property
@@ -211,6 +232,9 @@ class Engine(Protocol):
 
     @property
     def can_score(self) -> bool: ...
+
+    @property
+    def prompt_cache(self) -> PromptCacheStats | None: ...
 
     def listen(self, listener: EngineListener) -> None:
         """Report lifecycle events to ``listener`` (one; a second call replaces it)."""

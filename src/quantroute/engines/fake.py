@@ -18,6 +18,7 @@ from quantroute.engines.base import (
     FinishEvent,
     FinishReason,
     GenerationRequest,
+    PromptCacheStats,
     ReferenceLogits,
     StartEvent,
     TokenEvent,
@@ -97,6 +98,10 @@ class FakeEngine:
     @property
     def can_score(self) -> bool:
         return False
+
+    @property
+    def prompt_cache(self) -> PromptCacheStats | None:
+        return None  # no KV to keep
 
     def listen(self, listener: EngineListener) -> None:
         self._listener = listener

@@ -44,6 +44,7 @@ from quantroute.engines.base import (
     FinishEvent,
     FinishReason,
     GenerationRequest,
+    PromptCacheStats,
     ReferenceLogits,
     SamplingParams,
     StartEvent,
@@ -98,6 +99,7 @@ class WorkerOptions:
     fault: str = ""  # fault injection for tests (see llamacpp_worker --fault)
     gpu: int | None = None  # CUDA device index (NVML order); None: the CPU
     oom_flag: str = ""  # a simulated device's out-of-memory flag file (see Offload)
+    prompt_cache: bool = True  # reuse finished sequences' KV prefixes (engines/prompt_cache.py)
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_event_bytes <= PIPE_LINE_LIMIT_BYTES // 2:
@@ -118,6 +120,9 @@ class WorkerOptions:
             elif key in ("fault", "oom_flag"):
                 if value:
                     argv += [f"--{key.replace('_', '-')}", value]
+            elif key == "prompt_cache":
+                if not value:
+                    argv.append("--no-prompt-cache")
             elif key not in _GATEWAY_ONLY:
                 argv += [f"--{key.replace('_', '-')}", str(value)]
         return argv
@@ -156,6 +161,7 @@ class LlamaCppEngine:
         self._ids = itertools.count()
         self._last_line_at = time.monotonic()  # when the worker last sent anything
         self._abandoned: str | None = None  # why we killed the current worker, if we did
+        self._cache_stats = PromptCacheStats(enabled=options.prompt_cache)
         self._supervisor = WorkerSupervisor(
             name,
             options.argv(model_path),
@@ -198,6 +204,10 @@ class LlamaCppEngine:
     @property
     def can_score(self) -> bool:
         return True
+
+    @property
+    def prompt_cache(self) -> PromptCacheStats:
+        return self._cache_stats
 
     @property
     def options(self) -> WorkerOptions:
@@ -271,7 +281,7 @@ class LlamaCppEngine:
         """One batch of prompt and one token: the first decode, and the allocations that
         come with it, happen here rather than in someone's request."""
         prompt = "x" * max(1, min(info.n_ctx - 2, self._options.n_batch - 1))
-        warmup = GenerationRequest("warmup", prompt, SamplingParams(max_tokens=1, temperature=0))
+        warmup = GenerationRequest(_WARMUP, prompt, SamplingParams(max_tokens=1, temperature=0))
         try:
             async for _ in self.generate(warmup):
                 pass
@@ -570,7 +580,10 @@ class LlamaCppEngine:
                     top = tuple((t, text, lp) for t, text, lp in item.get("top", ()))
                     yield TokenEvent(item["t"], item["tok"], item.get("lp"), item.get("p"), top)
                 elif kind == "start":
-                    yield StartEvent(item["pt"])
+                    start = StartEvent(item["pt"], item.get("c", 0))
+                    if request.request_id != _WARMUP:
+                        self._cache_stats.add(start)
+                    yield start
                 elif kind == "fin":
                     self._supervisor.note_healthy()  # a finished generation: a healthy run
                     yield FinishEvent(
@@ -582,6 +595,7 @@ class LlamaCppEngine:
                     )
 
 
+_WARMUP = "warmup"  # the warm-up's request id (its prompt is not counted as traffic)
 _CLIENT_ERRORS = {"invalid_grammar": "response_format", "grammar_too_long": "max_tokens"}
 
 

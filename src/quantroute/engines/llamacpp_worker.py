@@ -22,7 +22,7 @@ Commands::
 Events::
 
     {"ev": "ready", "info": {...EngineInfo...}}
-    {"ev": "start", "id": "r1", "pt": 12}
+    {"ev": "start", "id": "r1", "pt": 12, "c": 8}   (when it gets a slot; c: reused tokens)
     {"ev": "tok", "id": "r1", "t": "def", "tok": 101, "lp": -0.3, "top": [[id, text, lp]]}
     {"ev": "fin", "id": "r1", "reason": "stop", "pt": 12, "ct": 40, "t": "", "tm": [ns, ns, ns]}
     {"ev": "logits", "id": "r2", "path": "...", "shape": [2, 354]}
@@ -51,6 +51,14 @@ shortest output is longer than ``max_tokens`` ``grammar_too_long``.
 
 Scheduling is continuous batching: every step puts the next token of every
 decoding sequence and a slice of any waiting prompt into one ``llama_decode``.
+
+Prompt caching (``engines/prompt_cache.py``; off with ``--no-prompt-cache``): a
+finished generation leaves its KV cells in its slot; a new ``gen`` takes the free
+slot whose cells share the longest prefix with its prompt (else the least recently
+used one), drops the cells past that prefix and prefills only the rest, always
+feeding the last prompt token again. ``start`` (sent once the sequence has a slot)
+says how many prompt tokens were reused (``c``). Scoring jobs reuse nothing and
+leave nothing; a sequence that fails leaves its slot empty.
 
 A traced ``gen`` (with ``tc``, the W3C trace context of its generation span)
 gets ``tm`` on its ``fin``: wall-clock nanoseconds when it was admitted, got a
@@ -93,6 +101,7 @@ import llama_cpp as lc
 import numpy as np
 
 from quantroute.engines.constrained import ClosingOrder, Grammar, GrammarError
+from quantroute.engines.prompt_cache import PromptCache
 from quantroute.engines.sampling import Penalties, choice_of, penalize, sample
 from quantroute.engines.scoring import Comparison, LogitsDump, ScoringJob
 from quantroute.engines.stops import StopMatcher
@@ -133,8 +142,10 @@ class Sequence:
     job: ScoringJob | None = None
     slot: int = -1
     fed: int = 0  # prompt tokens already in the KV cache
+    reused: int = 0  # of which came from the slot's prompt cache (not prefilled)
     n_past: int = 0
     generated: int = 0
+    out: list[int] = field(default_factory=list)  # the sampled tokens
     next_token: int | None = None  # sampled, not yet fed
     decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
     # a traced request (its gen command carried "tc"): wall-clock ns when admitted, given a
@@ -189,7 +200,7 @@ class Worker:
         self.score_rows_per_step = max(16, _SCORE_BLOCK_ELEMENTS // self.n_vocab)
         self.batch = lc.llama_batch_init(self.n_batch, 0, 1)
         self._piece_buf = ctypes.create_string_buffer(256)
-        self.free_slots = list(range(self.parallel - 1, -1, -1))
+        self.slots = PromptCache(self.parallel, enabled=args.prompt_cache)  # the free ones
         self.active: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
         self.commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -374,8 +385,7 @@ class Worker:
             seq.seen[prompt] = True
         if s.get("grammar") and not self.admit_grammar(seq, str(s["grammar"])):
             return
-        self.emit({"ev": "start", "id": rid, "pt": len(prompt)})
-        self.waiting.append(seq)
+        self.waiting.append(seq)  # its "start" goes out when it gets a slot
 
     def admit_grammar(self, seq: Sequence, gbnf: str) -> bool:
         """Give ``seq`` its grammar; refuse it (an ``err``) when the grammar does not parse
@@ -446,7 +456,6 @@ class Worker:
         except (OSError, ValueError) as exc:
             self.emit({"ev": "err", "id": rid, "code": "engine_error", "msg": _words(exc)})
             return
-        self.emit({"ev": "start", "id": rid, "pt": len(prompt)})
         self.waiting.append(seq)
 
     def finish_score(self, seq: Sequence) -> None:
@@ -464,11 +473,32 @@ class Worker:
         self.emit({"ev": "err", "id": seq.rid, "code": "engine_error", "msg": words})
         self.release(seq)
 
-    def release(self, seq: Sequence) -> None:
-        """The sequence is done: forget it, clear its KV cells, free its slot."""
+    def place(self, seq: Sequence) -> None:
+        """Give a waiting sequence a free slot (``engines/prompt_cache.py``): keep the cells
+        of the prefix it shares with what the slot holds, drop the rest, and say ``start``
+        with how many prompt tokens it reuses (``c``). Scoring jobs reuse nothing."""
+        take = self.slots.take(seq.prompt, reuse=seq.first_scored < 0)
+        reused = take.reused
+        if take.held > reused and not lc.llama_memory_seq_rm(self.mem, take.slot, reused, -1):
+            # a memory that cannot cut a sequence in the middle (recurrent): start afresh
+            lc.llama_memory_seq_rm(self.mem, take.slot, -1, -1)
+            reused = 0
+        seq.slot, seq.reused, seq.fed, seq.n_past = take.slot, reused, reused, reused
+        if seq.stamps is not None:
+            seq.stamps.append(time.time_ns())
+        self.active[seq.rid] = seq
+        self.emit({"ev": "start", "id": seq.rid, "pt": len(seq.prompt), "c": reused})
+
+    def release(self, seq: Sequence, *, keep: bool = False) -> None:
+        """The sequence is done: forget it and free its slot. ``keep`` (a generation that
+        finished) leaves its cells for the prompt cache; otherwise (an error, a scoring
+        job) they are cleared, so what a slot holds is always what a finished sequence fed."""
         del self.active[seq.rid]
-        lc.llama_memory_seq_rm(self.mem, seq.slot, -1, -1)
-        self.free_slots.append(seq.slot)
+        if keep and self.slots.enabled and seq.first_scored < 0:
+            self.slots.put(seq.slot, (seq.prompt + seq.out)[: seq.n_past])
+        else:
+            lc.llama_memory_seq_rm(self.mem, seq.slot, -1, -1)
+            self.slots.put(seq.slot, [])
         self.close_job(seq)
 
     def close_job(self, seq: Sequence) -> None:
@@ -514,7 +544,7 @@ class Worker:
         if seq.stamps is not None:
             event["tm"] = [*seq.stamps, time.time_ns()]
         self.emit(event)
-        self.release(seq)
+        self.release(seq, keep=True)
 
     # -- the decode loop ------------------------------------------------------
 
@@ -528,12 +558,8 @@ class Worker:
                     self.handle(self.commands.get_nowait())
             except queue.Empty:
                 pass
-            while self.waiting and self.free_slots:
-                seq = self.waiting.popleft()
-                seq.slot = self.free_slots.pop()
-                if seq.stamps is not None:
-                    seq.stamps.append(time.time_ns())
-                self.active[seq.rid] = seq
+            while self.waiting and len(self.slots):
+                self.place(self.waiting.popleft())
             if self.running and any(not seq.paused for seq in self.active.values()):
                 self.step()
             self.drop_refused()
@@ -546,7 +572,8 @@ class Worker:
         of each client sequence not yet in the cache, as ``llama_decode`` does when the
         cache has no room; sequences already decoding keep their cells and go on."""
         for seq in list(self.active.values()):
-            if seq.fed == 0 and seq.first_scored < 0 and not seq.rid.startswith("warmup"):
+            new = seq.fed == seq.reused and seq.first_scored < 0
+            if new and not seq.rid.startswith("warmup"):
                 self.emit(
                     {
                         "ev": "err",
@@ -685,6 +712,7 @@ class Worker:
             seq.counts[token] += 1
             seq.seen[token] = True
         seq.generated += 1
+        seq.out.append(token)
         text = seq.stops.feed(seq.decoder.decode(self.piece_bytes(token)))
         event: dict[str, Any] = {"ev": "tok", "id": seq.rid, "t": text, "tok": token}
         if choice.logprob is not None:
@@ -761,6 +789,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-batch", type=int, default=512)
     parser.add_argument("--n-gpu-layers", type=int, default=0)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--no-prompt-cache",
+        dest="prompt_cache",
+        action="store_false",
+        help="clear a slot's KV cells when its sequence ends (no prefix reuse)",
+    )
     parser.add_argument("--cpus", default="", help="comma-separated cores to pin to")
     parser.add_argument(
         "--max-event-bytes",

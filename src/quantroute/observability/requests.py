@@ -216,13 +216,16 @@ class RequestTrace:
         self._pending.append((branch.name, reason))
         self._end_generation(reason)
 
-    def first_token(self) -> None:
-        """Every choice has its first token: the commit point."""
+    def first_token(self, cached_tokens: int = 0) -> None:
+        """Every choice has its first token: the commit point. ``cached_tokens`` of the
+        prompt tokens (counted once per prompt) came from the engine's prompt cache."""
         self.committed = True
         self.ttft_s = _perf() - self.t0
         assert self.branch is not None
         ins = self._obs.instruments
         ins.of(ins.ttft, self.model, self.branch.name).observe(self.ttft_s)
+        if cached_tokens:
+            self._obs.prompt_cache_hit(self.model, self.branch.name, cached_tokens)
         if self._gen is not None:
             self._gen.add_event("gen_ai.first_token", {"quantroute.ttft_s": self.ttft_s})
 
@@ -452,7 +455,7 @@ class NullTrace(RequestTrace):
     def attempt_failed(self, branch: BranchLike, exc: BaseException) -> None:
         pass
 
-    def first_token(self) -> None:
+    def first_token(self, cached_tokens: int = 0) -> None:
         pass
 
     def token(self, index: int) -> None:
