@@ -18,6 +18,23 @@
 # QUANTROUTE_LLAMA_BACKEND=cuda, under another key.
 set -euo pipefail
 
+# ninja's "[12/206] Building ..." lines as one line per 5 %, and the errors. In bash, line by
+# line: llama_build.sh's awk filter is mawk here, which reads a pipe in 4 KiB blocks.
+progress() {
+  local shown=0 line pct
+  while IFS= read -r line; do
+    if [[ "$line" =~ \[\ *([0-9]+)/([0-9]+)\] ]]; then
+      pct=$((100 * BASH_REMATCH[1] / BASH_REMATCH[2]))
+      if ((pct >= shown + 5 || BASH_REMATCH[1] == BASH_REMATCH[2])); then
+        shown=$pct
+        printf '    llama-server build %3d%%  (%s/%s)\n' "$pct" "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}"
+      fi
+    elif [[ "$line" =~ ERROR|[Ee]rror:|CMake\ Error ]]; then
+      printf '%s\n' "$line"
+    fi
+  done
+}
+
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 mode="${1:-}" python="python3"
 case "$mode" in
@@ -70,7 +87,7 @@ jobs="$(nproc 2>/dev/null || echo 2)"
 if ! { cmake -S "$src" -B "$work/build" -G Ninja "${flags[@]}" \
   -DLLAMA_BUILD_NUMBER=0 -DLLAMA_BUILD_COMMIT="${revision:0:9}" >"$log" 2>&1 &&
   cmake --build "$work/build" --target llama-server -j "$jobs" 2>&1 | tee -a "$log" |
-  bash "$here/llama_build.sh" --progress-filter >&2; } ||
+  progress >&2; } ||
   [[ ! -x "$work/build/bin/llama-server" ]]; then
   echo "llama-server build failed; the full log: $log" >&2
   exit 1

@@ -149,7 +149,8 @@ def test_builds_the_server_target_once_and_records_the_revision(box: dict[str, s
     assert all(flag in configure.split() for flag in flags)
     assert "vendor/llama.cpp" in configure
     assert "--target llama-server" in build  # the server alone
-    assert "llama.cpp build" in done.stderr and "100%" in done.stderr  # progress shown
+    assert "llama-server build  50%  (20/40)" in done.stderr  # progress, line by line
+    assert "llama-server build 100%  (40/40)" in done.stderr
     assert not list(binary.parent.parent.glob("*.partial"))
 
     again = run(env=box)  # cached: no cmake call
