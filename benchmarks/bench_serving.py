@@ -124,11 +124,13 @@ class Round:
     wall_s: float
     cpu_s: float
     streams: tuple[Stream, ...]
+    retries: int = 0  # requests sent again after a stale kept-alive connection
 
     def record(self) -> dict[str, Any]:
         return {
             "model": self.model, "system": self.system, "clients": self.clients,
             "round": self.index, "wall_s": self.wall_s, "cpu_s": self.cpu_s,
+            "retries": self.retries,
             "streams": [
                 {"ttft_ms": None if s.ttft_s is None else s.ttft_s * 1e3, "tokens": s.tokens,
                  "chunks": s.chunks, "usage_tokens": s.usage_tokens,
@@ -157,6 +159,9 @@ class Cell:
     median_ttft_ms: float | None
     p99_itl_ms: float | None
     cpu_us_per_token: float | None
+    round_tok_s_min: float  # the spread of the rounds' aggregate rates
+    round_tok_s_max: float
+    retries: int
 
     @classmethod
     def of(cls, rounds: list[Round], max_tokens: int, reference: str | None) -> Cell:
@@ -166,6 +171,8 @@ class Cell:
         cpu_s = sum(r.cpu_s for r in rounds)
         whole = [s for s in streams if s.error is None and not s.cut]
         ttft = [s.ttft_s for s in streams if s.ttft_s is not None]
+        rates = [sum(s.tokens for s in r.streams) / r.wall_s for r in rounds if r.wall_s > 0]
+        rates = rates or [0.0]
         return cls(
             model=rounds[0].model,
             system=rounds[0].system,
@@ -183,6 +190,8 @@ class Cell:
             p99_itl_ms=None if (p := _p99([g for s in streams for g in s.gaps_s])) is None
             else p * 1e3,
             cpu_us_per_token=cpu_s / tokens * 1e6 if tokens else None,
+            round_tok_s_min=min(rates), round_tok_s_max=max(rates),
+            retries=sum(r.retries for r in rounds),
         )  # fmt: skip
 
     def failures(self) -> list[str]:
@@ -274,10 +283,13 @@ async def run_system(
         await closed_loop(system, work, max(args.clients), 0.0)  # warm-up, not recorded
         await settle(system)
         for n in args.clients:
-            cpu, start = system.cpu_s(), time.perf_counter()
+            cpu, start, retries = system.cpu_s(), time.perf_counter(), system.retries
             streams = await closed_loop(system, work, n, args.min_round_s)
             wall, used = time.perf_counter() - start, system.cpu_s() - cpu
-            rounds.append(Round(model, system.name, n, index, wall, used, tuple(streams)))
+            rounds.append(
+                Round(model, system.name, n, index, wall, used, tuple(streams),
+                      system.retries - retries)
+            )  # fmt: skip
             tokens = sum(s.tokens for s in streams)
             log.info(
                 "%s round %d  %-24s %2d client(s)  %7.1f tok/s  %3d streams  %.0f µs CPU/token",
@@ -358,8 +370,8 @@ def bandwidth_lines(
 # -- reporting ----------------------------------------------------------------------
 
 COLUMNS = (
-    "Clients", "System", "Aggregate (tok/s)", "Median TTFT (ms)", "p99 ITL (ms)",
-    "CPU per token (µs)", "Streams (cut)", "Same text",
+    "Clients", "System", "Aggregate (tok/s)", "Rounds, min-max", "Median TTFT (ms)", "p99 ITL (ms)",
+    "CPU per token (µs)", "Streams (cut or failed)", "Same text",
 )  # fmt: skip
 
 
@@ -368,7 +380,8 @@ def table_rows(
 ) -> list[list[str]]:
     return [
         [
-            str(n), LABELS[c.system], _fmt(c.aggregate_tok_s), _fmt(c.median_ttft_ms, 2),
+            str(n), LABELS[c.system], _fmt(c.aggregate_tok_s),
+            f"{c.round_tok_s_min:.0f}-{c.round_tok_s_max:.0f}", _fmt(c.median_ttft_ms, 2),
             _fmt(c.p99_itl_ms, 2), _fmt(c.cpu_us_per_token, 0),
             f"{c.streams} ({c.cut + c.errors})",
             "yes" if not c.text_mismatches else f"{c.text_mismatches} differ",
