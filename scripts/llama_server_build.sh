@@ -29,6 +29,12 @@ progress() {
         shown=$pct
         printf '    llama-server build %3d%%  (%s/%s)\n' "$pct" "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}"
       fi
+    elif [[ "$line" =~ ^\[\ *([0-9]+)%\] ]]; then   # make, where there is no ninja
+      pct=${BASH_REMATCH[1]}
+      if ((pct >= shown + 5 || pct == 100)); then
+        shown=$pct
+        printf '    llama-server build %3d%%\n' "$pct"
+      fi
     elif [[ "$line" =~ ERROR|[Ee]rror:|CMake\ Error ]]; then
       printf '%s\n' "$line"
     fi
@@ -84,7 +90,8 @@ echo "==> building llama-server (llama.cpp $revision, $backend, no -march=native
 echo "    flags: ${flags[*]}" >&2
 log="$work/build.log"
 jobs="$(nproc 2>/dev/null || echo 2)"
-if ! { cmake -S "$src" -B "$work/build" -G Ninja "${flags[@]}" \
+generator=(-G Ninja) && command -v ninja >/dev/null || generator=()
+if ! { cmake -S "$src" -B "$work/build" "${generator[@]}" "${flags[@]}" \
   -DLLAMA_BUILD_NUMBER=0 -DLLAMA_BUILD_COMMIT="${revision:0:9}" >"$log" 2>&1 &&
   cmake --build "$work/build" --target llama-server -j "$jobs" 2>&1 | tee -a "$log" |
   progress >&2; } ||
