@@ -86,7 +86,7 @@ rm -rf "$work" && mkdir -p "$work"
 tar -xzf "$sdist" -C "$work"
 src="$work/llama_cpp_python-$version/vendor/llama.cpp"
 revision="$(cat "$work/llama_cpp_python-$version/.git/modules/vendor/llama.cpp/HEAD" 2>/dev/null || echo unknown)"
-echo "==> building llama-server (llama.cpp $revision, $backend, no -march=native) — a few minutes on 2 cores, the first time only" >&2
+echo "==> building llama-server (llama.cpp $revision, $backend, no -march=native) — about 10 minutes on 2 cores, the first time only" >&2
 echo "    flags: ${flags[*]}" >&2
 log="$work/build.log"
 jobs="$(nproc 2>/dev/null || echo 2)"
