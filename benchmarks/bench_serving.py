@@ -1,51 +1,45 @@
-"""Serving benchmark: quantroute vs llama-cpp-python's own server vs the in-process ceiling.
+"""Serving benchmark: quantroute vs llama.cpp's own llama-server, on the same GGUF file.
 
-One run serves the same GGUF (the demo model's ``tiny-llama:f16`` by default) two ways:
+One run, per model (the realistic demo model ``stdlib-bpe-llama`` and ``tiny-llama``, both at
+``--branch``, q8_0 by default), serves the same file with each of (``serving_systems.py``):
 
-* **quantroute** -- ``quantroute serve --repo DIR`` (continuous batching, ``--parallel`` slots);
-* **peer** -- ``python -m llama_cpp.server --model FILE``, llama-cpp-python's own server with
-  its defaults: one request at a time, and ``interrupt_requests`` on, so a request that
-  arrives while another streams cuts that stream short. The table counts the cut streams.
+* **quantroute** -- ``quantroute serve``, the request pinned to ``model:branch``;
+* **llama-server** -- llama.cpp's C++ server, built by ``scripts/llama_server_build.sh`` from
+  the llama.cpp revision llama-cpp-python vendors, with the same portable flags (or
+  ``--llama-server PATH``): ``--parallel N``, continuous batching;
+* **llama-cpp-python's server**, twice: ``interrupt_requests`` off (it queues requests) and
+  on (its default: a new request cuts the running stream; cut streams are counted);
+* the **ceiling**: quantroute's own worker process driven over its stdin/stdout protocol
+  from this process, with no gateway and no HTTP.
 
-and streams ``/v1/completions`` to 1 and 4 concurrent clients over real HTTP (httpx). Every
-request has the same body: the prompt, ``max_tokens``, ``temperature: 0`` and ``logit_bias``
-banning the end-of-sequence token, so a stream that is not cut has exactly ``max_tokens``
-tokens. The peer also gets ``repeat_penalty: 1.0`` (its server defaults to 1.1; quantroute
-has no repetition penalty), so all three decode the same greedy text; the script checks that
-they do, and that each honours ``logit_bias`` (a +100 bias on EOS must stop at once).
+All run llama.cpp with the same threads (``--threads``, 1), ``--parallel`` slots (16) of
+``--n-ctx`` (512) tokens each, and prompt caching off (quantroute's worker has none yet:
+llama-server gets ``cache_prompt: false``, ``--cache-reuse 0``, ``--cache-ram 0``).
 
-Per system and concurrency level, over ``--rounds`` rounds:
+Every request is the same: the prompt, ``max_tokens``, ``temperature: 0`` and a ``logit_bias``
+of -100 on end-of-sequence, so every stream that is not cut has exactly ``max_tokens`` tokens
+of the same greedy text. **The run fails** (exit status 1) when any uncut stream's text differs
+from the ceiling's, or its token count cannot be trusted. Tokens are counted one way for all:
+the usage the system reports (its last chunk, or the worker's ``fin``), else its text chunks
+(llama-cpp-python's server streams no usage); checked against the chunks (never more chunks
+than tokens) and ``max_tokens``.
 
-* median TTFT: request sent to the first non-empty text chunk;
-* aggregate decode tokens/s: tokens received by all clients / wall time of the rounds;
-* per-stream decode tokens/s (median): (tokens - 1) / (last text chunk - first text chunk).
+Per system and number of clients (``--clients``, 1 4 16), each of ``--rounds`` rounds (5)
+runs that many closed-loop clients (each sends its next request when its stream ends) for at
+least ``--min-round-s`` (2 s; 10 s of streaming per cell over 5 rounds). Only one system runs
+at a time: in each round every system is started, warmed up, measured at each client count
+and stopped, in an order that rotates round by round, so noise falls on all of them.
 
-The **ceiling** is llama-cpp-python called in this process on the same file, no HTTP:
-streaming ``create_completion`` with the same prompt and sampling, measured the same way.
-quantroute's 1-client rate is reported as a fraction of the ceiling's two ways: end to end
-(tokens / wall, TTFT included on both sides) and per-stream decode. The goal is judged on
-the first. With a model this small a stream lasts tens of milliseconds and quantroute's
-tokens reach the client in bursts, so (last chunk - first chunk) shrinks to almost nothing
-and the per-stream fraction can come out far above 1; tokens / wall cannot flatter that way.
-
-Goals (from the issue): >= 0.8x the ceiling with 1 client; aggregate decode >= 1.5x the peer
-with 1 client and >= 2x with 4 clients.
-
-Each system is warmed up first, and the systems take turns round by round (the order rotates
-every round), so noise on a shared machine falls on all of them. ``--threads`` defaults to 1:
-llama.cpp's threads wait for each other at every step, and on a 2-core machine two of them
-share the cores with the HTTP client and the gateway; a smoke run with 2 threads while one
-other process was busy decoded 10-100x slower than with 1.
-
-Output: a table on stdout (``--markdown`` adds one to paste into docs/benchmarks.md), JSON
-with the date and machine in ``benchmarks/results/serving-<date>.json``, a bar chart in
-``docs/img/bench_serving.png``, and the servers' logs in ``benchmarks/results/logs/``.
+Reported per cell: aggregate tok/s (tokens / wall), median TTFT (sent to the first text
+chunk), p99 inter-token latency (gaps between text chunks, pooled), and CPU time per token of
+the system's whole process tree (psutil; quantroute's gateway and worker; the ceiling's
+worker alone), with the ratios quantroute / llama-server and the goals met or not.
 
 Run::
 
-    make bench                                    # python benchmarks/bench_serving.py $(ARGS)
-    make bench ARGS="--rounds 1 --max-tokens 32"  # a quick smoke run
-    .venv/bin/python benchmarks/bench_serving.py --repo DIR --rounds 10 --markdown
+    make bench                                     # the full run, about 10 minutes on 2 cores
+    make bench ARGS="--rounds 1 --min-round-s 0.5 --models tiny-llama"   # a smoke run
+    .venv/bin/python benchmarks/bench_serving.py --help
 """
 
 from __future__ import annotations
@@ -61,555 +55,507 @@ import os
 import platform
 import signal
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import httpx
-
-from servers import Server, free_port, quantroute_command
+from serving_systems import (
+    ALL_SYSTEMS,
+    CEILING,
+    LABELS,
+    LCP,
+    LLAMA_SERVER,
+    QUANTROUTE,
+    Settings,
+    Stream,
+    System,
+    WorkerCeiling,
+    Workload,
+    lcp_system,
+    llama_server_system,
+    quantroute_system,
+)
 
 log = logging.getLogger("bench_serving")
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_REPO = ROOT / "src" / "quantroute" / "demo" / "repo"
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 DEFAULT_CHART = ROOT / "docs" / "img" / "bench_serving.png"
-
-QUANTROUTE, PEER, CEILING = "quantroute", "peer", "ceiling"
-LABELS = {
-    QUANTROUTE: "quantroute",
-    PEER: "llama-cpp-python server",
-    CEILING: "in-process llama-cpp-python",
-}
-GOAL_CEILING = 0.8  # quantroute / ceiling, tokens / wall, 1 client
-GOAL_PEER = {1: 1.5, 4: 2.0}  # clients -> quantroute / peer, aggregate decode
-BAN = -100.0  # the logit bias that keeps a token from ever being chosen
-# All the peer needs on top of the shared body: its server's repeat_penalty default is 1.1.
-PEER_EXTRA: dict[str, Any] = {"repeat_penalty": 1.0}
+BUILD_SCRIPT = ROOT / "scripts" / "llama_server_build.sh"
+REALISTIC, TINY = "stdlib-bpe-llama", "tiny-llama"
+PROMPT = (
+    "import os\nimport sys\n\n\ndef read_config(path):\n"
+    '    """Read a key = value file into a dict."""\n    result = {}\n'
+)
+# quantroute / llama-server, per model: (least aggregate decode, most TTFT or None)
+GOALS: dict[str, tuple[float, float | None]] = {REALISTIC: (1.0, 1.1), TINY: (0.9, None)}
 
 
-# -- records ------------------------------------------------------------------
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
-@dataclass(slots=True)
-class Stream:
-    """One streamed completion as its client saw it; times are perf_counter seconds."""
-
-    sent: float
-    first: float | None = None
-    last: float | None = None
-    chunks: int = 0  # chunks carrying text
-    usage_tokens: int | None = None  # completion_tokens, where the server reports it
-    finish_reason: str | None = None
-    error: str | None = None
-    text: list[str] = field(default_factory=list)
-
-    @property
-    def tokens(self) -> int:
-        return self.usage_tokens if self.usage_tokens is not None else self.chunks
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first is None else self.first - self.sent
-
-    @property
-    def decode_tok_s(self) -> float | None:
-        if self.first is None or self.last is None or self.tokens < 2 or self.last <= self.first:
-            return None
-        return (self.tokens - 1) / (self.last - self.first)
-
-    @property
-    def cut(self) -> bool:
-        """Ended without a finish_reason: the server closed it early."""
-        return self.finish_reason is None
-
-    def fold(self, chunk: dict[str, Any], now: float) -> None:
-        """Fold one completion chunk (OpenAI's shape) into the record."""
-        if chunk.get("usage"):
-            self.usage_tokens = int(chunk["usage"]["completion_tokens"])
-        for choice in chunk.get("choices") or ():
-            if choice.get("text"):
-                self.first = now if self.first is None else self.first
-                self.last = now
-                self.chunks += 1
-                self.text.append(choice["text"])
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
-
-    def record(self) -> dict[str, Any]:
-        return {
-            "ttft_ms": _ms(self.ttft_s),
-            "tokens": self.tokens,
-            "text_chunks": self.chunks,
-            "usage_tokens": self.usage_tokens,
-            "decode_tok_s": self.decode_tok_s,
-            "finish_reason": self.finish_reason,
-            "error": self.error,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class Round:
-    """One round of one system at one concurrency level."""
-
-    system: str
-    clients: int
-    index: int
-    wall_s: float
-    streams: tuple[Stream, ...]
-
-    def record(self) -> dict[str, Any]:
-        return {
-            "system": self.system,
-            "clients": self.clients,
-            "round": self.index,
-            "wall_s": self.wall_s,
-            "streams": [s.record() for s in self.streams],
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class Level:
-    """One system at one concurrency level, over all its rounds."""
-
-    system: str
-    clients: int
-    rounds: int
-    streams: int
-    cut: int
-    errors: int
-    tokens: int
-    wall_s: float
-    median_ttft_ms: float | None
-    aggregate_tok_s: float
-    median_stream_tok_s: float | None
-
-    @classmethod
-    def of(cls, rounds: list[Round]) -> Level:
-        streams = [s for r in rounds for s in r.streams]
-        wall_s = sum(r.wall_s for r in rounds)
-        tokens = sum(s.tokens for s in streams)
-        return cls(
-            system=rounds[0].system,
-            clients=rounds[0].clients,
-            rounds=len(rounds),
-            streams=len(streams),
-            cut=sum(s.cut for s in streams),
-            errors=sum(s.error is not None for s in streams),
-            tokens=tokens,
-            wall_s=wall_s,
-            median_ttft_ms=_ms(_median([s.ttft_s for s in streams])),
-            aggregate_tok_s=tokens / wall_s if wall_s > 0 else 0.0,
-            median_stream_tok_s=_median([s.decode_tok_s for s in streams]),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Headline:
-    """The ratios the issue asks for, and whether each goal is met."""
-
-    decode_vs_peer: dict[int, float | None]  # clients -> aggregate decode, quantroute / peer
-    ttft_vs_peer: dict[int, float | None]  # clients -> median TTFT, quantroute / peer
-    ceiling_fraction: float | None  # tokens / wall, quantroute / in-process, 1 client
-    ceiling_fraction_per_stream: float | None  # per-stream decode, the same
-    goals: dict[str, bool]
-
-    @classmethod
-    def of(cls, levels: dict[tuple[str, int], Level], clients: list[int]) -> Headline:
-        def ratio(system: str, n: int, metric: str) -> float | None:
-            qr, other = levels.get((QUANTROUTE, n)), levels.get((system, n))
-            if qr is None or other is None:
-                return None
-            a, b = getattr(qr, metric), getattr(other, metric)
-            return a / b if a is not None and b else None
-
-        decode = {n: ratio(PEER, n, "aggregate_tok_s") for n in clients}
-        ceiling = ratio(CEILING, 1, "aggregate_tok_s")
-        goals = {
-            f"aggregate decode >= {GOAL_PEER[n]}x the peer, {n} client(s)": r >= GOAL_PEER[n]
-            for n, r in decode.items()
-            if n in GOAL_PEER and r is not None
-        }
-        if ceiling is not None:
-            goals[f"end to end >= {GOAL_CEILING}x in-process, 1 client"] = ceiling >= GOAL_CEILING
-        return cls(
-            decode_vs_peer=decode,
-            ttft_vs_peer={n: ratio(PEER, n, "median_ttft_ms") for n in clients},
-            ceiling_fraction=ceiling,
-            ceiling_fraction_per_stream=ratio(CEILING, 1, "median_stream_tok_s"),
-            goals=goals,
-        )
-
-    def lines(self) -> list[str]:
-        out = [
-            f"{n} client(s), quantroute / peer: aggregate decode {_fmt(r, 2)}x, "
-            f"median TTFT {_fmt(self.ttft_vs_peer[n], 2)}x (lower is better)"
-            for n, r in self.decode_vs_peer.items()
-        ]
-        if self.ceiling_fraction is not None:
-            out.append(
-                f"quantroute / in-process, 1 client: end to end (tokens / wall) "
-                f"{_fmt(self.ceiling_fraction, 2)}x, per-stream decode "
-                f"{_fmt(self.ceiling_fraction_per_stream, 2)}x"
-            )
-        out += [f"goal {goal}: {'met' if met else 'NOT met'}" for goal, met in self.goals.items()]
-        return out
-
-
-def _median(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000.0
+def _p99(values: list[float]) -> float | None:
+    """Nearest-rank 99th percentile."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, -(-99 * len(ordered) // 100) - 1))]
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-# -- servers ------------------------------------------------------------------
+# -- records ----------------------------------------------------------------------
 
 
-def quantroute_server(args: argparse.Namespace, logs: Path) -> Server:
-    command = quantroute_command()
-    port = free_port()
-    argv = [
-        command, "serve", "--repo", str(args.repo), "--host", "127.0.0.1", "--port", str(port),
-        "--engine-parallel", str(args.parallel), "--engine-n-threads", str(args.threads),
-        "--engine-n-ctx", str(args.n_ctx), "--server-log-level", "warning",
-    ]  # fmt: skip
-    return Server(QUANTROUTE, argv, port, "/readyz", logs / "quantroute.log")
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One system at one client count, in one round."""
+
+    model: str
+    system: str
+    clients: int
+    index: int
+    wall_s: float
+    cpu_s: float
+    streams: tuple[Stream, ...]
+    retries: int = 0  # requests sent again after a stale kept-alive connection
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "system": self.system, "clients": self.clients,
+            "round": self.index, "wall_s": self.wall_s, "cpu_s": self.cpu_s,
+            "retries": self.retries,
+            "streams": [
+                {"ttft_ms": None if s.ttft_s is None else s.ttft_s * 1e3, "tokens": s.tokens,
+                 "chunks": s.chunks, "usage_tokens": s.usage_tokens,
+                 "finish_reason": s.finish_reason, "error": s.error}
+                for s in self.streams
+            ],
+        }  # fmt: skip
 
 
-def peer_server(args: argparse.Namespace, model_path: Path, logs: Path) -> Server:
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "llama_cpp.server", "--model", str(model_path),
-        "--model_alias", args.model_id, "--host", "127.0.0.1", "--port", str(port),
-        "--n_ctx", str(args.n_ctx), "--n_threads", str(args.threads),
-        "--n_threads_batch", str(args.threads), "--verbose", "False",
-        "--interrupt_requests", args.peer_interrupt,
-    ]  # fmt: skip
-    return Server(PEER, argv, port, "/v1/models", logs / "peer.log")
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One system at one client count, over all its rounds."""
+
+    model: str
+    system: str
+    clients: int
+    rounds: int
+    streams: int
+    cut: int
+    errors: int
+    count_errors: int
+    text_mismatches: int
+    tokens: int
+    wall_s: float
+    aggregate_tok_s: float
+    median_ttft_ms: float | None
+    p99_itl_ms: float | None
+    cpu_us_per_token: float | None
+    round_tok_s_min: float  # the spread of the rounds' aggregate rates
+    round_tok_s_max: float
+    retries: int
+
+    @classmethod
+    def of(cls, rounds: list[Round], max_tokens: int, reference: str | None) -> Cell:
+        streams = [s for r in rounds for s in r.streams]
+        wall_s = sum(r.wall_s for r in rounds)
+        tokens = sum(s.tokens for s in streams)
+        cpu_s = sum(r.cpu_s for r in rounds)
+        whole = [s for s in streams if s.error is None and not s.cut]
+        ttft = [s.ttft_s for s in streams if s.ttft_s is not None]
+        rates = [sum(s.tokens for s in r.streams) / r.wall_s for r in rounds if r.wall_s > 0]
+        rates = rates or [0.0]
+        return cls(
+            model=rounds[0].model,
+            system=rounds[0].system,
+            clients=rounds[0].clients,
+            rounds=len(rounds),
+            streams=len(streams),
+            cut=sum(s.cut and s.error is None for s in streams),
+            errors=sum(s.error is not None for s in streams),
+            count_errors=sum(s.count_error(max_tokens) is not None for s in streams),
+            text_mismatches=sum("".join(s.text) != reference for s in whole),
+            tokens=tokens,
+            wall_s=wall_s,
+            aggregate_tok_s=tokens / wall_s if wall_s > 0 else 0.0,
+            median_ttft_ms=None if not ttft else statistics.median(ttft) * 1e3,
+            p99_itl_ms=None if (p := _p99([g for s in streams for g in s.gaps_s])) is None
+            else p * 1e3,
+            cpu_us_per_token=cpu_s / tokens * 1e6 if tokens else None,
+            round_tok_s_min=min(rates), round_tok_s_max=max(rates),
+            retries=sum(r.retries for r in rounds),
+        )  # fmt: skip
+
+    def failures(self) -> list[str]:
+        """What makes this cell's numbers wrong (the run fails on any)."""
+        out = []
+        if self.text_mismatches:
+            out.append(f"{self.text_mismatches} stream(s) with other text than the ceiling's")
+        if self.count_errors:
+            out.append(f"{self.count_errors} stream(s) whose token count does not check")
+        if self.errors and self.system != LCP:  # LCP's cut streams may end in a reset
+            out.append(f"{self.errors} failed stream(s)")
+        if self.cut and self.system != LCP:
+            out.append(f"{self.cut} stream(s) cut")
+        return [f"{self.model}, {LABELS[self.system]}, {self.clients} client(s): {f}" for f in out]
 
 
-@contextlib.contextmanager
-def running(servers: list[Server], timeout_s: float) -> Iterator[None]:
-    """Start every server, wait until all are ready, and always stop them."""
-    try:
-        for server in servers:
-            server.start()
-        for server in servers:
-            server.wait_ready(timeout_s)
-            log.info("%s ready at %s", server.name, server.base_url)
-        yield
-    finally:
-        for server in reversed(servers):
-            server.stop()
+def ratios(cells: dict[tuple[str, str, int], Cell], model: str, n: int) -> dict[str, float | None]:
+    """quantroute / llama-server (and / the ceiling) for one model and client count."""
+    qr, peer, top = (cells.get((model, s, n)) for s in (QUANTROUTE, LLAMA_SERVER, CEILING))
 
+    def r(a: Cell | None, b: Cell | None, metric: str) -> float | None:
+        x, y = (None if c is None else getattr(c, metric) for c in (a, b))
+        return x / y if x is not None and y else None
 
-# -- clients ------------------------------------------------------------------
-
-
-def request_body(args: argparse.Namespace, eos_id: int) -> dict[str, Any]:
     return {
-        "model": args.model_id,
-        "prompt": args.prompt,
-        "max_tokens": args.max_tokens,
-        "temperature": 0.0,
-        "logit_bias": {str(eos_id): BAN},
-        "stream": True,
-        "stream_options": {"include_usage": True},  # the peer ignores it
+        "decode": r(qr, peer, "aggregate_tok_s"),
+        "ttft": r(qr, peer, "median_ttft_ms"),
+        "itl_p99": r(qr, peer, "p99_itl_ms"),
+        "cpu_per_token": r(qr, peer, "cpu_us_per_token"),
+        "decode_vs_ceiling": r(qr, top, "aggregate_tok_s"),
     }
 
 
-async def stream_once(client: httpx.AsyncClient, body: dict[str, Any]) -> Stream:
-    stream = Stream(sent=time.perf_counter())
+def goal_lines(
+    cells: dict[tuple[str, str, int], Cell], model: str, clients: list[int]
+) -> list[tuple[str, bool]]:
+    if model not in GOALS:  # the issue sets goals for the two demo models only
+        return []
+    least, most_ttft = GOALS[model]
+    out = []
+    for n in clients:
+        rt = ratios(cells, model, n)
+        if rt["decode"] is not None:
+            out.append((f"{model}, {n} client(s): aggregate decode >= {least}x llama-server "
+                        f"({rt['decode']:.2f}x)", rt["decode"] >= least))  # fmt: skip
+        if most_ttft is not None and rt["ttft"] is not None:
+            out.append((f"{model}, {n} client(s): median TTFT <= {most_ttft}x llama-server "
+                        f"({rt['ttft']:.2f}x)", rt["ttft"] <= most_ttft))  # fmt: skip
+    return out
+
+
+# -- the run ----------------------------------------------------------------------
+
+
+async def closed_loop(system: System, work: Workload, clients: int, min_s: float) -> list[Stream]:
+    """``clients`` clients, each sending its next request as its stream ends, for min_s."""
+    end = time.perf_counter() + min_s
+    streams: list[Stream] = []
+
+    async def client() -> None:
+        while True:
+            streams.append(await system.stream(work))
+            if time.perf_counter() >= end:
+                return
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return streams
+
+
+async def settle(system: System, timeout_s: float = 120.0) -> None:
+    """Wait until the system's processes are idle (under 5 % of a core over half a second):
+    a server that is ready may still load other branches or warm up in the background."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        before = system.cpu_s()
+        await asyncio.sleep(0.5)
+        if system.cpu_s() - before < 0.025:
+            return
+    log.warning("%s did not go idle in %.0f s; measuring anyway", system.name, timeout_s)
+
+
+async def run_system(
+    system: System, work: Workload, args: argparse.Namespace, model: str, index: int
+) -> list[Round]:
+    """Start one system, warm it up, measure each client count once, stop it."""
+    await asyncio.to_thread(system.start, args.start_timeout_s)
+    rounds: list[Round] = []
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                stream.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return stream
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators, keep-alive comments
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    stream.error = str(chunk["error"])
-                    break
-                stream.fold(chunk, time.perf_counter())
-    except httpx.HTTPError as exc:
-        stream.error = f"{type(exc).__name__}: {exc}"
-    return stream
+        await system.open()
+        await settle(system)
+        await closed_loop(system, work, max(args.clients), 0.0)  # warm-up, not recorded
+        await settle(system)
+        for n in args.clients:
+            cpu, start, retries = system.cpu_s(), time.perf_counter(), system.retries
+            streams = await closed_loop(system, work, n, args.min_round_s)
+            wall, used = time.perf_counter() - start, system.cpu_s() - cpu
+            rounds.append(
+                Round(model, system.name, n, index, wall, used, tuple(streams),
+                      system.retries - retries)
+            )  # fmt: skip
+            tokens = sum(s.tokens for s in streams)
+            log.info(
+                "%s round %d  %-24s %2d client(s)  %7.1f tok/s  %3d streams  %.0f µs CPU/token",
+                *(model, index + 1, system.name, n, tokens / wall, len(streams)),
+                used / max(tokens, 1) * 1e6,
+            )
+    finally:
+        await system.close()
+        await asyncio.to_thread(system.stop)
+    return rounds
 
 
-async def http_round(
-    client: httpx.AsyncClient, body: dict[str, Any], system: str, clients: int, index: int
-) -> Round:
-    start = time.perf_counter()
-    streams = await asyncio.gather(*(stream_once(client, body) for _ in range(clients)))
-    return Round(system, clients, index, time.perf_counter() - start, tuple(streams))
+def eos_id(model_path: Path) -> int:
+    from llama_cpp import Llama
+
+    with contextlib.redirect_stderr(None):
+        vocab = Llama(model_path=str(model_path), vocab_only=True, verbose=False)
+    return int(vocab.token_eos())
 
 
-async def honours_bias(client: httpx.AsyncClient, body: dict[str, Any], eos_id: int) -> bool:
-    """Whether the server honours logit_bias: a +100 bias on EOS must stop at once."""
-    probe = body | {"logit_bias": {str(eos_id): 100.0}, "max_tokens": 8, "stream": False}
-    del probe["stream_options"]
-    resp = await client.post("/v1/completions", json=probe)
-    choice = resp.json()["choices"][0] if resp.status_code == 200 else {}
-    return choice.get("text") == "" and choice.get("finish_reason") == "stop"
+def make_systems(
+    args: argparse.Namespace, repo: Path, path: Path, model_id: str, cfg: Settings, logs: Path
+) -> list[System]:
+    made: dict[str, System] = {
+        QUANTROUTE: quantroute_system(repo, cfg, logs),
+        LLAMA_SERVER: llama_server_system(args.llama_server, path, cfg, logs),
+        "llama-cpp-python-queue": lcp_system(path, model_id, cfg, logs, interrupt=False),
+        LCP: lcp_system(path, model_id, cfg, logs, interrupt=True),
+        CEILING: WorkerCeiling(path, cfg, logs),
+    }
+    return [made[name] for name in args.systems]
 
 
-class Ceiling:
-    """llama-cpp-python in this process, on the same file, with the same sampling."""
-
-    def __init__(self, args: argparse.Namespace, model_path: Path):
-        from llama_cpp import Llama
-
-        self.llm = Llama(
-            model_path=str(model_path),
-            n_ctx=args.n_ctx,
-            n_threads=args.threads,
-            n_threads_batch=args.threads,
-            verbose=False,
-        )
-        self.eos_id = int(self.llm.token_eos())
-        self.prompt: str = args.prompt
-        self.max_tokens: int = args.max_tokens
-
-    def run(self, index: int, bias: float = BAN, max_tokens: int | None = None) -> Round:
-        start = time.perf_counter()
-        stream = Stream(sent=start)
-        chunks = self.llm.create_completion(
-            self.prompt,
-            max_tokens=max_tokens or self.max_tokens,
-            temperature=0.0,
-            repeat_penalty=1.0,
-            logit_bias={self.eos_id: bias},
-            stream=True,
-        )
-        for chunk in chunks:  # typed as a union with the non-streaming response
-            stream.fold(cast("dict[str, Any]", chunk), time.perf_counter())
-        return Round(CEILING, 1, index, time.perf_counter() - start, (stream,))
-
-    def honours_bias(self) -> bool:
-        stream = self.run(-1, bias=100.0, max_tokens=8).streams[0]
-        return stream.chunks == 0 and stream.finish_reason == "stop"
+async def run_model(args: argparse.Namespace, model: str, repo: Path) -> tuple[list[Round], str]:
+    path = model_file(repo, model, args.branch)
+    model_id = f"{model}:{args.branch}"
+    work = Workload(model_id, args.prompt, args.max_tokens, eos_id(path), args.prompt_cache)
+    cfg = Settings(args.threads, args.parallel, args.n_ctx, args.prompt_cache, args.n_gpu_layers)
+    systems = make_systems(args, repo, path, model_id, cfg, RESULTS_DIR / "logs" / model)
+    log.info("%s (%s): %d round(s) of %s", model_id, path, args.rounds, args.systems)
+    rounds: list[Round] = []
+    for index in range(args.rounds):
+        shift = index % len(systems)  # who goes first rotates, round by round
+        for system in systems[shift:] + systems[:shift]:
+            rounds += await run_system(system, work, args, model, index)
+    return rounds, str(path)
 
 
-# -- the run ------------------------------------------------------------------
+def reference_text(rounds: list[Round]) -> str | None:
+    """The ceiling's greedy text (else quantroute's): what every other stream must equal."""
+    for name in (CEILING, QUANTROUTE):
+        for r in rounds:
+            for s in r.streams:
+                if r.system == name and s.error is None and not s.cut:
+                    return "".join(s.text)
+    return None
 
 
-@dataclass(slots=True)
-class Results:
-    rounds: list[Round] = field(default_factory=list)
-    bias_honoured: dict[str, bool] = field(default_factory=dict)
-    texts: dict[str, str] = field(default_factory=dict)  # each system's first complete text
-
-    def add(self, rnd: Round) -> None:
-        self.rounds.append(rnd)
-        first = rnd.streams[0]
-        if rnd.clients == 1 and not first.cut:
-            self.texts.setdefault(rnd.system, "".join(first.text))
-        lv = Level.of([rnd])
-        log.info(
-            "round %d  %d client(s)  %-10s  TTFT %7s ms  %8.1f tok/s  cut %d/%d",
-            *(rnd.index + 1, rnd.clients, rnd.system, _fmt(lv.median_ttft_ms, 1)),
-            *(lv.aggregate_tok_s, lv.cut, lv.streams),
-        )
-
-    def levels(self) -> dict[tuple[str, int], Level]:
-        keys = sorted({(r.system, r.clients) for r in self.rounds})
-        return {k: Level.of([r for r in self.rounds if (r.system, r.clients) == k]) for k in keys}
-
-    def same_text(self) -> dict[str, bool]:
-        reference = self.texts.get(CEILING, self.texts.get(QUANTROUTE))
-        return {name: text == reference for name, text in self.texts.items()}
+def bandwidth_lines(
+    cells: dict[tuple[str, str, int], Cell], model: str, path: Path, args: argparse.Namespace
+) -> list[str]:
+    """Decode as a fraction of the memory-bandwidth limit: a decode step reads every weight
+    once and yields one token per sequence, so N sequences make at most N x bandwidth / bytes
+    tokens per second (KV-cache reads, small at these lengths, are left out)."""
+    size = path.stat().st_size
+    out = []
+    for (m, system, n), cell in cells.items():
+        if m == model:
+            limit = min(n, args.parallel) * args.hbm_gbps * 1e9 / size
+            out.append(
+                f"{model}, {LABELS[system]}, {n} client(s): {cell.aggregate_tok_s:.0f} tok/s = "
+                f"{cell.aggregate_tok_s / limit:.1%} of the bandwidth limit ({limit:.0f} tok/s "
+                f"for {size / 1e9:.2f} GB per step at {args.hbm_gbps:.0f} GB/s)"
+            )
+    return out
 
 
-async def measure(
-    args: argparse.Namespace, servers: list[Server], ceiling: Ceiling, results: Results
-) -> None:
-    body = request_body(args, ceiling.eos_id)
-    bodies = {QUANTROUTE: body, PEER: body | PEER_EXTRA}
-    limits = httpx.Limits(max_connections=max(args.clients) + 2)
-    timeout = httpx.Timeout(args.request_timeout_s)
-    async with contextlib.AsyncExitStack() as stack:
-        clients: dict[str, httpx.AsyncClient] = {}
-        for s in servers:
-            client = httpx.AsyncClient(base_url=s.base_url, limits=limits, timeout=timeout)
-            clients[s.name] = await stack.enter_async_context(client)
-        for name, client in clients.items():
-            results.bias_honoured[name] = await honours_bias(client, bodies[name], ceiling.eos_id)
-            for n in args.clients:  # warm-up, not recorded
-                await http_round(client, bodies[name], name, n, -1)
-        if not args.no_ceiling:
-            results.bias_honoured[CEILING] = await asyncio.to_thread(ceiling.honours_bias)
-            await asyncio.to_thread(ceiling.run, -1)
-        log.info("warmed up; logit_bias honoured: %s", results.bias_honoured)
-
-        for index in range(args.rounds):
-            for n in args.clients:
-                systems = [*clients, *([CEILING] if n == 1 and not args.no_ceiling else [])]
-                shift = index % len(systems)  # who goes first rotates, round by round
-                for name in systems[shift:] + systems[:shift]:
-                    if name == CEILING:
-                        results.add(await asyncio.to_thread(ceiling.run, index))
-                    else:
-                        results.add(await http_round(clients[name], bodies[name], name, n, index))
-
-
-# -- reporting ----------------------------------------------------------------
+# -- reporting ----------------------------------------------------------------------
 
 COLUMNS = (
-    "Clients", "System", "Median TTFT (ms)", "Aggregate decode (tok/s)",
-    "Per-stream decode, median (tok/s)", "Streams cut",
+    "Clients", "System", "Aggregate (tok/s)", "Rounds, min-max", "Median TTFT (ms)", "p99 ITL (ms)",
+    "CPU per token (µs)", "Streams (cut or failed)", "Same text",
 )  # fmt: skip
 
 
-def table_rows(levels: dict[tuple[str, int], Level], clients: list[int]) -> list[list[str]]:
+def table_rows(
+    cells: dict[tuple[str, str, int], Cell], model: str, args: argparse.Namespace
+) -> list[list[str]]:
     return [
         [
-            str(n),
-            LABELS[lv.system],
-            _fmt(lv.median_ttft_ms, 1),
-            _fmt(lv.aggregate_tok_s),
-            _fmt(lv.median_stream_tok_s),
-            "-" if lv.system == CEILING else f"{lv.cut}/{lv.streams}",
+            str(n), LABELS[c.system], _fmt(c.aggregate_tok_s),
+            f"{c.round_tok_s_min:.0f}-{c.round_tok_s_max:.0f}", _fmt(c.median_ttft_ms, 2),
+            _fmt(c.p99_itl_ms, 2), _fmt(c.cpu_us_per_token, 0),
+            f"{c.streams} ({c.cut + c.errors})",
+            "yes" if not c.text_mismatches else f"{c.text_mismatches} differ",
         ]
-        for n in clients
-        for system in (QUANTROUTE, PEER, CEILING)
-        if (lv := levels.get((system, n))) is not None
-    ]
+        for n in args.clients
+        for system in args.systems
+        if (c := cells.get((model, system, n))) is not None
+    ]  # fmt: skip
 
 
-def plain_table(rows: list[list[str]]) -> str:
+def ratio_lines(
+    cells: dict[tuple[str, str, int], Cell], model: str, clients: list[int]
+) -> list[str]:
+    out = []
+    for n in clients:
+        rt = ratios(cells, model, n)
+        out.append(
+            f"{model}, {n} client(s), quantroute / llama-server: aggregate decode "
+            f"{_fmt(rt['decode'], 2)}x, median TTFT {_fmt(rt['ttft'], 2)}x, p99 ITL "
+            f"{_fmt(rt['itl_p99'], 2)}x, CPU per token {_fmt(rt['cpu_per_token'], 2)}x; "
+            f"quantroute / ceiling: aggregate decode {_fmt(rt['decode_vs_ceiling'], 2)}x"
+        )
+    return out
+
+
+def markdown(rows: list[list[str]]) -> str:
+    align = ["---:", "---"] + ["---:"] * (len(COLUMNS) - 3) + ["---"]
+    return "\n".join("| " + " | ".join(r) + " |" for r in [[*COLUMNS], align, *rows])
+
+
+def plain(rows: list[list[str]]) -> str:
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
     lines = [[*COLUMNS], ["-" * w for w in widths], *rows]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in lines)
 
 
-def markdown_table(rows: list[list[str]], headline: Headline, caption: str) -> str:
-    align = ["---", "---"] + ["---:"] * (len(COLUMNS) - 2)
-    lines = [caption, "", *("| " + " | ".join(r) + " |" for r in [[*COLUMNS], align, *rows]), ""]
-    return "\n".join(lines + [f"- {line}" for line in headline.lines()])
+COLORS = {QUANTROUTE: "#1f77b4", LLAMA_SERVER: "#ff7f0e", "llama-cpp-python-queue": "#999",
+          LCP: "#ccc", CEILING: "#2ca02c"}  # fmt: skip
 
 
 def save_chart(
-    levels: dict[tuple[str, int], Level], clients: list[int], caption: str, path: Path
+    cells: dict[tuple[str, str, int], Cell], args: argparse.Namespace, caption: str, path: Path
 ) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_ttft, ax_tok) = plt.subplots(1, 2, figsize=(10, 4.6))
-    width, xs = 0.38, list(range(len(clients)))
-    for offset, system, color in ((-width / 2, QUANTROUTE, "#1f77b4"), (width / 2, PEER, "#999")):
-        found = [levels.get((system, n)) for n in clients]
-        ttft = [(lv.median_ttft_ms or 0.0) if lv else 0.0 for lv in found]
-        tok = [lv.aggregate_tok_s if lv else 0.0 for lv in found]
-        for ax, values, fmt in ((ax_ttft, ttft, "%.1f"), (ax_tok, tok, "%.0f")):
-            x = [i + offset for i in xs]
-            ax.bar_label(ax.bar(x, values, width, label=LABELS[system], color=color), fmt=fmt)
-    ceiling = levels.get((CEILING, 1))
-    if ceiling is not None:
-        label = f"{LABELS[CEILING]}, 1 stream (no HTTP)"
-        ax_tok.axhline(ceiling.aggregate_tok_s, color="k", ls="--", lw=1, label=label)
-    for ax, title in (
-        (ax_ttft, "Median time to first token (ms; lower is better)"),
-        (ax_tok, "Aggregate decode (tokens/s; higher is better)"),
-    ):
-        ax.set_title(title, fontsize=10)
-        ax.set_xticks(xs, [f"{n} client{'s' if n > 1 else ''}" for n in clients])
-        ax.margins(y=0.12)
-    handles, labels = ax_tok.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=9, frameon=False)
+    metrics = (
+        ("aggregate_tok_s", "Aggregate decode (tok/s, higher is better)"),
+        ("median_ttft_ms", "Median TTFT (ms, lower is better)"),
+        ("cpu_us_per_token", "CPU per token, process tree (µs, lower is better)"),
+    )
+    fig, axes = plt.subplots(
+        len(args.models), 3, figsize=(15, 4.2 * len(args.models)), squeeze=False
+    )
+    width = 0.8 / len(args.systems)
+    xs = range(len(args.clients))
+    for row, model in zip(axes, args.models, strict=True):
+        for ax, (metric, title) in zip(row, metrics, strict=True):
+            for i, system in enumerate(args.systems):
+                values = [
+                    getattr(cells[(model, system, n)], metric) or 0.0
+                    if (model, system, n) in cells
+                    else 0.0
+                    for n in args.clients
+                ]
+                ax.bar([x + (i - (len(args.systems) - 1) / 2) * width for x in xs], values, width,
+                       label=LABELS[system], color=COLORS[system])  # fmt: skip
+            ax.set_title(f"{model}: {title}", fontsize=9)
+            ax.set_xticks(list(xs), [f"{n} client{'s' if n > 1 else ''}" for n in args.clients])
+            if metric != "aggregate_tok_s":
+                ax.set_yscale("log")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(
+        handles, labels, loc="lower center", ncol=len(args.systems), fontsize=8, frameon=False
+    )
     fig.suptitle(caption, fontsize=8)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def machine() -> dict[str, Any]:
     cpu = platform.processor() or "unknown"
     with contextlib.suppress(OSError):
-        names = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ":" in ln]
-        cpu = next(
-            (ln.split(":", 1)[1].strip() for ln in names if ln.startswith("model name")), cpu
-        )
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
     versions = {"python": platform.python_version()}
     for dist in ("quantroute", "llama_cpp_python", "httpx", "uvicorn"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[dist] = importlib.metadata.version(dist)
-    return {
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "load_avg_at_start": os.getloadavg(),
-        "versions": versions,
-    }
+    return {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
+            "load_avg_at_start": os.getloadavg(), "versions": versions}  # fmt: skip
 
 
-# -- main ---------------------------------------------------------------------
+# -- main ---------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--repo", type=Path, default=DEFAULT_REPO, help="quantroute model repository")
-    p.add_argument("--model", default="tiny-llama", help="model folder in the repository")
-    p.add_argument("--branch", default="f16", help="branch (precision) to serve and compare")
-    p.add_argument("--prompt", default="def main():\n")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=5, help="measured rounds per level")
-    p.add_argument("--clients", type=int, nargs="+", default=[1, 4], help="concurrency levels")
-    p.add_argument("--threads", type=int, default=1, help="llama.cpp threads, for all three")
-    p.add_argument("--n-ctx", type=int, default=512, help="context per sequence, for all three")
-    p.add_argument("--parallel", type=int, default=4, help="quantroute --engine-parallel")
+    p.add_argument("--models", nargs="+", default=[REALISTIC, TINY], help="model folders")
+    p.add_argument("--repo", type=Path, help="repository of --models (default: the demo's)")
+    p.add_argument("--n-gpu-layers", type=int, default=0, help="layers offloaded, for all")
     p.add_argument(
-        "--peer-interrupt",
-        choices=("True", "False"),
-        default="True",
-        help="the peer's --interrupt_requests (its default, True, cuts a running stream)",
+        "--hbm-gbps", type=float, help="memory bandwidth (GB/s): report decode / its limit"
     )
-    p.add_argument("--no-ceiling", action="store_true", help="skip the in-process ceiling")
+    p.add_argument("--branch", default="q8_0", help="branch (precision) every system serves")
+    p.add_argument("--systems", nargs="+", default=list(ALL_SYSTEMS), choices=ALL_SYSTEMS)
+    p.add_argument("--llama-server", type=Path, help="a llama-server binary (default: build it)")
+    p.add_argument("--prompt", default=PROMPT)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds per cell")
+    p.add_argument("--min-round-s", type=float, default=2.0, help="streaming per cell and round")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--threads", type=int, default=1, help="llama.cpp threads, for all")
+    p.add_argument("--n-ctx", type=int, default=512, help="context per sequence, for all")
+    p.add_argument("--parallel", type=int, help="slots for all (default: the most clients)")
+    p.add_argument(
+        "--prompt-cache", action="store_true", help="prompt caching on in all (not yet possible)"
+    )
     p.add_argument("--start-timeout-s", type=float, default=180.0)
-    p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--out", type=Path, help="JSON file (default benchmarks/results/...)")
-    p.add_argument("--chart", type=Path, default=DEFAULT_CHART, help="PNG bar chart")
+    p.add_argument("--chart", type=Path, default=DEFAULT_CHART)
     p.add_argument("--no-chart", action="store_true")
-    p.add_argument("--markdown", action="store_true", help="also print a markdown table")
+    p.add_argument("--markdown", action="store_true", help="also print markdown tables")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.max_tokens < 2 or min(args.clients) < 1:
         p.error("--rounds and --clients must be >= 1, --max-tokens >= 2")
     args.clients = sorted(set(args.clients))
-    args.model_id = f"{args.model}:{args.branch}"
+    args.parallel = args.parallel or max(args.clients)
+    args.systems = [s for s in ALL_SYSTEMS if s in args.systems]
+    if args.prompt_cache:
+        p.error("--prompt-cache: quantroute's worker has no prompt cache yet (engine.prompt_cache)")
     return args
 
 
+def model_repo(model: str, repo: Path | None) -> Path:
+    if repo is not None:
+        return repo
+    if model == TINY:
+        return ROOT / "src" / "quantroute" / "demo" / "repo"
+    from quantroute.demo import BPE_MODEL_NAME, ensure_demo_repo
+
+    return ensure_demo_repo(BPE_MODEL_NAME, progress=True)
+
+
 def model_file(repo: Path, model: str, branch: str) -> Path:
-    """The branch's GGUF file, as the model's manifest names it."""
     from quantroute.registry.manifest import load_manifest
 
-    if not (repo / model).is_dir():
-        raise SystemExit(f"no model {model!r} in {repo}; pass --repo DIR")
     manifest = load_manifest(repo / model)
     if branch not in manifest.branches:
         raise SystemExit(f"{model} has no branch {branch!r}; it has {sorted(manifest.branches)}")
     return repo / model / manifest.branches[branch].file
 
 
+def llama_server_binary() -> tuple[Path, dict[str, Any]]:
+    """Build (once, cached) or find llama-server; the build's record (revision, flags)."""
+    done = subprocess.run(
+        ["bash", str(BUILD_SCRIPT), sys.executable], stdout=subprocess.PIPE, text=True, check=False
+    )  # its progress goes to stderr, shown as it builds
+    if done.returncode != 0:
+        raise SystemExit("llama-server build failed (see above)")
+    binary = Path(done.stdout.strip().splitlines()[-1])
+    return binary, json.loads((binary.parent / "build.json").read_text())
+
+
 def _on_sigterm(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # unwind through the finally that stops the servers
+    raise KeyboardInterrupt  # unwind through the finally blocks that stop the servers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -617,72 +563,73 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    path = model_file(args.repo, args.model, args.branch)
+    build: dict[str, Any] = {"binary": str(args.llama_server)}
+    if args.llama_server is None and LLAMA_SERVER in args.systems:
+        args.llama_server, build = llama_server_binary()
     now = dt.datetime.now().astimezone()
     host = machine()
-    log.info(
-        "%s (%s): %d round(s), max_tokens %d", args.model_id, path, args.rounds, args.max_tokens
-    )
-
-    ceiling = Ceiling(args, path)
-    logs = RESULTS_DIR / "logs"
-    servers = [quantroute_server(args, logs), peer_server(args, path, logs)]
-    results = Results()
+    rounds: list[Round] = []
+    files: dict[str, str] = {}
     try:
-        with running(servers, args.start_timeout_s):
-            asyncio.run(measure(args, servers, ceiling, results))
+        for model in args.models:
+            got, files[model] = asyncio.run(run_model(args, model, model_repo(model, args.repo)))
+            rounds += got
     except KeyboardInterrupt:
         log.warning("interrupted; the servers are stopped")
         return 130
 
-    levels = results.levels()
-    headline = Headline.of(levels, args.clients)
-    rows = table_rows(levels, args.clients)
+    cells: dict[tuple[str, str, int], Cell] = {}
+    references = {}
+    for model in args.models:
+        mine = [r for r in rounds if r.model == model]
+        references[model] = reference_text(mine)
+        for key in sorted({(r.system, r.clients) for r in mine}):
+            sel = [r for r in mine if (r.system, r.clients) == key]
+            cells[(model, *key)] = Cell.of(sel, args.max_tokens, references[model])
+    revision = build.get("revision", "unknown")
     settings = (
-        f"{args.model_id}, prompt {args.prompt!r}, max_tokens {args.max_tokens}, "
-        f"{args.rounds} round(s) per level, {args.threads} llama.cpp thread(s) each, "
-        f"quantroute --engine-parallel {args.parallel}"
+        f"branch {args.branch}, max_tokens {args.max_tokens}, {args.rounds} rounds of >= "
+        f"{args.min_round_s} s per cell, {args.threads} llama.cpp thread(s), {args.parallel} "
+        f"slots of {args.n_ctx} tokens, prompt cache {'on' if args.prompt_cache else 'off'}; "
+        f"llama.cpp {revision[:9]}"
     )
-    print(f"\n{settings}\n\n{plain_table(rows)}\n")
-    print("\n".join(headline.lines()))
-    print(f"logit_bias honoured: {results.bias_honoured}; same text: {results.same_text()}")
-    for lv in levels.values():
-        if lv.errors:
-            log.warning(
-                "%s, %d client(s): %d stream(s) failed; see the JSON",
-                lv.system,
-                lv.clients,
-                lv.errors,
-            )
     where = f"{now:%Y-%m-%d}, {host['cpu']} ({host['cpus']} CPUs)"
-    if args.markdown:
-        caption = f"{where}, {host['platform']}; {settings}."
-        print("\n" + markdown_table(rows, headline, caption))
+    goals: list[tuple[str, bool]] = []
+    print(f"\n{where}; {settings}")
+    for model in args.models:
+        rows = table_rows(cells, model, args)
+        print(f"\n{model}\n{plain(rows)}\n" + "\n".join(ratio_lines(cells, model, args.clients)))
+        if args.markdown:
+            print(f"\n{markdown(rows)}\n")
+        goals += goal_lines(cells, model, args.clients)
+        if args.hbm_gbps:
+            print("\n".join(bandwidth_lines(cells, model, Path(files[model]), args)))
+    print("\n" + "\n".join(f"goal {g}: {'met' if met else 'NOT met'}" for g, met in goals))
+    failures = [f for c in cells.values() for f in c.failures()]
+    for failure in failures:
+        log.error("FAILED: %s", failure)
 
     out = args.out or RESULTS_DIR / f"serving-{now:%Y-%m-%d}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "date": now.isoformat(timespec="seconds"),
         "machine": host,
+        "llama_server": build,
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "model_file": str(path),
-        "peer_extra_body": PEER_EXTRA,
-        "logit_bias_honoured": results.bias_honoured,
-        "same_greedy_text": results.same_text(),
-        "headline": asdict(headline),
-        "levels": [asdict(lv) for lv in levels.values()],
-        "rounds": [r.record() for r in results.rounds],
+        "model_files": files,
+        "reference_text": references,
+        "cells": [asdict(c) for c in cells.values()],
+        "ratios": {m: {n: ratios(cells, m, n) for n in args.clients} for m in args.models},
+        "goals": dict(goals),
+        "failures": failures,
+        "rounds": [r.record() for r in rounds],
     }
     out.write_text(json.dumps(report, indent=2) + "\n")
     log.info("wrote %s", out)
     if not args.no_chart:
-        caption = (
-            f"{args.model_id}, max_tokens {args.max_tokens}, {args.rounds} round(s), "
-            f"{args.threads} llama.cpp thread(s) each; {where}"
-        )
-        save_chart(levels, args.clients, caption, args.chart)
+        save_chart(cells, args, f"{where}; {settings}", args.chart)
         log.info("wrote %s", args.chart)
-    return 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

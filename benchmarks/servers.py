@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 
 log = logging.getLogger("bench")
 
@@ -68,6 +69,10 @@ class Server:
                 time.sleep(0.25)
         raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f} s" + self.tail())
 
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) of the server's process tree so far."""
+        return tree_cpu_s(self.proc.pid) if self.proc is not None else 0.0
+
     def tail(self, lines: int = 20) -> str:
         with contextlib.suppress(OSError):
             text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
@@ -85,3 +90,18 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(5.0)
         log.info("stopped %s", self.name)
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by ``pid`` and its live descendants."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total

@@ -1,0 +1,98 @@
+"""The serving benchmark's own rules: one token count for all, checked; a run whose greedy
+text differs fails; the ceiling drives the real worker. (The benchmark itself is not run.)"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_serving as bench  # noqa: E402
+from serving_systems import (  # noqa: E402
+    CEILING,
+    LCP,
+    LLAMA_SERVER,
+    QUANTROUTE,
+    Settings,
+    Stream,
+    WorkerCeiling,
+    Workload,
+)
+
+TINY = ROOT / "src" / "quantroute" / "demo" / "repo" / "tiny-llama" / "q8_0.gguf"
+
+
+def stream(tokens: int, chunks: int, *, usage: bool = True, text: str = "ab", t0: float = 0.0,
+           finish: str | None = "length") -> Stream:  # fmt: skip
+    s = Stream(sent=t0, usage_tokens=tokens if usage else None, finish_reason=finish)
+    s.arrivals = [t0 + 0.01 * (i + 1) for i in range(chunks)]
+    s.text = [text] + [""] * (chunks - 1) if chunks else []
+    return s
+
+
+def test_tokens_are_usage_else_chunks_and_checked() -> None:
+    assert stream(8, 3).tokens == 8  # coalesced chunks: usage counts
+    assert stream(8, 8, usage=False).tokens == 8  # no usage streamed: the chunks
+    assert stream(8, 3).count_error(8) is None
+    assert "chunks" in (stream(3, 8).count_error(3) or "")  # more chunks than tokens
+    assert "max_tokens" in (stream(7, 7).count_error(8) or "")  # stopped early: EOS got through
+    assert stream(2, 2, finish=None).count_error(8) is None  # cut streams are counted as cut
+
+
+def test_percentiles_and_gaps() -> None:
+    assert bench._p99([float(i) for i in range(1, 101)]) == 99.0
+    assert bench._p99([5.0]) == 5.0
+    assert stream(3, 3).gaps_s == pytest.approx([0.01, 0.01])
+    assert stream(3, 3, t0=1.0).ttft_s == pytest.approx(0.01)
+
+
+def round_of(system: str, streams: list[Stream], wall: float = 1.0) -> bench.Round:
+    return bench.Round("m", system, 1, 0, wall, 0.5, tuple(streams))
+
+
+def test_a_differing_text_or_a_bad_count_fails_the_run() -> None:
+    good = bench.Cell.of([round_of(QUANTROUTE, [stream(8, 8)])], 8, "ab")
+    assert good.failures() == []
+    other = bench.Cell.of([round_of(LLAMA_SERVER, [stream(8, 8, text="xy")])], 8, "ab")
+    assert other.text_mismatches == 1 and other.failures()
+    short = bench.Cell.of([round_of(QUANTROUTE, [stream(5, 5)])], 8, "ab")
+    assert short.failures()
+    cut = [stream(2, 2, finish=None), stream(8, 8)]  # llama-cpp-python cuts by design
+    assert bench.Cell.of([round_of(LCP, cut)], 8, "ab").failures() == []
+    assert bench.Cell.of([round_of(QUANTROUTE, cut)], 8, "ab").failures()
+
+
+def test_ratios_and_goals() -> None:
+    cells = {
+        ("stdlib-bpe-llama", system, 1): bench.Cell.of(
+            [bench.Round("stdlib-bpe-llama", system, 1, 0, wall, 0.1, (stream(8, 8),))], 8, "ab"
+        )
+        for system, wall in ((QUANTROUTE, 1.0), (LLAMA_SERVER, 0.5), (CEILING, 0.8))
+    }
+    r = bench.ratios(cells, "stdlib-bpe-llama", 1)
+    assert r["decode"] == pytest.approx(0.5) and r["decode_vs_ceiling"] == pytest.approx(0.8)
+    goals = dict(bench.goal_lines(cells, "stdlib-bpe-llama", [1]))
+    assert list(goals.values()) == [False, True]  # decode 0.5x: not met; TTFT the same: met
+
+
+def test_the_ceiling_drives_the_real_worker(tmp_path: Path) -> None:
+    from quantroute.demo.vocab import EOS_ID
+
+    async def run() -> Stream:
+        ceiling = WorkerCeiling(TINY, Settings(1, 2, 256, False), tmp_path)
+        ceiling.start(60.0)
+        await ceiling.open()
+        try:
+            return await ceiling.stream(Workload("tiny-llama:q8_0", "def ", 8, EOS_ID, False))
+        finally:
+            await ceiling.close()
+
+    got = asyncio.run(run())
+    assert got.error is None and got.finish_reason == "length"
+    assert got.tokens == 8 and 1 <= got.chunks <= 8 and got.count_error(8) is None
+    assert "".join(got.text)
