@@ -209,6 +209,7 @@ def quantroute_system(repo: Path, cfg: Settings, logs: Path) -> HttpSystem:
         "--port", str(port), "--engine-parallel", str(cfg.parallel),
         "--engine-n-threads", str(cfg.threads), "--engine-n-ctx", str(cfg.n_ctx),
         "--server-log-level", "warning",
+        "--engine-prompt-cache", "true" if cfg.prompt_cache else "false",
     ]  # fmt: skip
     server = Server(QUANTROUTE, argv, port, "/readyz", logs / "quantroute.log")
     return HttpSystem(server, {}, cfg.parallel)
@@ -267,6 +268,7 @@ class WorkerCeiling:
             "--n-ctx", str(cfg.n_ctx), "--parallel", str(cfg.parallel),
             "--n-threads", str(cfg.threads), "--log-level", "warning",
             "--n-gpu-layers", str(cfg.n_gpu_layers),
+            *(() if cfg.prompt_cache else ("--no-prompt-cache",)),
         ]  # fmt: skip
         self.log_path = logs / "ceiling-worker.log"
         self.proc: asyncio.subprocess.Process | None = None
