@@ -3,7 +3,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -126,3 +126,61 @@ def realistic_repo() -> Path:
     from quantroute.demo import BPE_MODEL_NAME, ensure_demo_repo
 
     return ensure_demo_repo(BPE_MODEL_NAME, progress=False)
+
+
+@contextlib.contextmanager
+def serve_process(repo: Path, *flags: str, ready_s: float = 180) -> Iterator[str]:
+    """``quantroute serve --repo REPO FLAGS...`` as its own process on a free port: the base
+    URL once ``/readyz`` says ready; SIGTERM (then a kill) at the end."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import pytest
+
+    port = free_port()
+    argv = [sys.executable, "-m", "quantroute.cli", "serve", "--repo", str(repo),
+            "--port", str(port), *flags]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                    break
+            assert proc.poll() is None, "the server exited while starting"
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the server did not become ready in {ready_s:g} s")
+        yield base
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def ec_keys(root: Path, name: str) -> tuple[Path, Path]:
+    """A fresh EC P-256 key pair written as PEM files: (private, public)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    private, public = root / f"{name}.pem", root / f"{name}.pub.pem"
+    private.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return private, public

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from qrtest import ADMIN, ADMIN_KEY, demo_model_dir, serving
+from qrtest import ADMIN, ADMIN_KEY, demo_model_dir, ec_keys, serving
 from quantroute.api.app import create_app
 from quantroute.config import load_settings
 from quantroute.registry.manifest import sha256_file
@@ -267,27 +267,6 @@ async def test_the_watcher_reloads_on_a_rename_and_ignores_temporary_files(
         assert await answering_artifact(client) == new_sha
 
 
-def _keys(root: Path, name: str) -> tuple[Path, Path]:
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    private, public = root / f"{name}.pem", root / f"{name}.pub.pem"
-    private.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    public.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-    return private, public
-
-
 async def test_a_replacement_with_a_bad_signature_leaves_the_old_version_serving(
     tmp_path: Path,
 ) -> None:
@@ -295,8 +274,8 @@ async def test_a_replacement_with_a_bad_signature_leaves_the_old_version_serving
 
     repo = one_branch_repo(tmp_path, "q4_k_m")
     folder = repo / MODEL
-    private, public = _keys(tmp_path, "operator")
-    intruder, _ = _keys(tmp_path, "intruder")
+    private, public = ec_keys(tmp_path, "operator")
+    intruder, _ = ec_keys(tmp_path, "intruder")
     sign_model(folder, private_key=private)
     old_sha = sha256_file(folder / "main.gguf")[:16]
     settings = settings_for(repo, require_signatures=True, public_key=public)

@@ -8,15 +8,9 @@ real ``quantroute serve`` process answering the OpenAI API.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +18,7 @@ import gguf
 import httpx
 import pytest
 
-from qrtest import realistic_repo
+from qrtest import realistic_repo, serve_process
 from quantroute.demo import (
     BPE_MODEL_NAME,
     CHATML_TEMPLATE,
@@ -199,42 +193,9 @@ def test_the_profile_shows_q4_k_m_further_from_the_reference_than_q8_0(model_dir
 # --- served ----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def _serving(repo: Path) -> Iterator[str]:
-    port = _free_port()
-    argv = [sys.executable, "-m", "quantroute.cli", "serve", "--repo", str(repo),
-            "--port", str(port), "--engine-parallel", "2"]  # fmt: skip
-    proc = subprocess.Popen(argv)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                    break
-            assert proc.poll() is None, "the server exited while starting"
-            time.sleep(0.25)
-        else:
-            pytest.fail("the server did not become ready in 180 s")
-        yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.mark.e2e
 def test_quantroute_serves_it_over_the_openai_api(repo: Path, vocab: BpeVocab) -> None:
-    with _serving(repo) as base:
+    with serve_process(repo, "--engine-parallel", "2") as base:
         models = httpx.get(f"{base}/v1/models", timeout=10).json()
         ids = {m["id"] for m in models["data"]}
         assert {BPE_MODEL_NAME, *(f"{BPE_MODEL_NAME}:{b}" for b in BRANCHES)} <= ids

@@ -9,10 +9,7 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from base64 import b64decode
@@ -24,43 +21,10 @@ import httpx
 import pytest
 from websockets.sync.client import ClientConnection, connect
 
-from qrtest import demo_model_dir
+from qrtest import demo_model_dir, serve_process
 from tools import need_tool
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def _server() -> Iterator[str]:
-    port = _free_port()
-    argv = [sys.executable, "-m", "quantroute.cli", "serve", "--repo",
-            str(demo_model_dir().parent), "--port", str(port), "--engine-parallel", "2",
-            "--engine-n-threads", "1"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                    break
-            assert proc.poll() is None, "the server exited while starting"
-            time.sleep(0.2)
-        else:
-            pytest.fail("the server did not become ready in 90 s")
-        yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 class Browser:
@@ -139,7 +103,12 @@ def _wait(browser: Browser, ok: Any, timeout_s: float = 20) -> dict[str, Any]:
 
 
 def test_the_status_page_shows_branches_devices_and_live_numbers() -> None:
-    with _server() as base, _chromium() as browser:
+    with (
+        serve_process(
+            demo_model_dir().parent, "--engine-parallel", "2", "--engine-n-threads", "1", ready_s=90
+        ) as base,
+        _chromium() as browser,
+    ):
         devices = httpx.get(f"{base}/v1/devices").json()["data"]
         browser.call("Page.enable")
         browser.call("Page.navigate", url=f"{base}/dashboard")

@@ -8,32 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from qrtest import demo_model_dir
+from qrtest import demo_model_dir, ec_keys
 from quantroute.cli import main
 from quantroute.errors import ArtifactIntegrityError, ManifestError
 from quantroute.registry import scan_repository
 from quantroute.registry.signing import SIGNATURE_NAME, TrustPolicy, sign_model, verify_model
-
-
-def ec_keys(root: Path, name: str) -> tuple[Path, Path]:
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    private, public = root / f"{name}.pem", root / f"{name}.pub.pem"
-    private.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    public.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-    return private, public
 
 
 @pytest.fixture
