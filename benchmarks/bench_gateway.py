@@ -257,29 +257,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     report("burst (the engine is instant; the reader lags)", burst)
     # Paced: a token every --token-ms per stream, as a decoding engine sends them, so the
     # reader keeps up and each token is its own chunk: the per-token cost with no batching.
-    port = free_port()
-    proc = start_server(port, args.token_ms / 1000)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        await wait_ready(base)
-        paced = await stream_cost(
-            base, proc.pid, args.paced_streams, args.stream_tokens, args.paced_concurrency
-        )
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    paced = await paced_cost(args, bare=False)
     report(f"paced (a token every {args.token_ms:g} ms per stream)", paced)
-    port = free_port()
-    proc = start_server(port, args.token_ms / 1000, bare=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        await wait_ready(base)
-        floor = await stream_cost(
-            base, proc.pid, args.paced_streams, args.stream_tokens, args.paced_concurrency
-        )
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    floor = await paced_cost(args, bare=True)
     report("floor (a bare ASGI app, same uvicorn, same timer and events)", floor)
     return {
         "date": dt.date.today().isoformat(),
@@ -291,6 +271,21 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "paced_stream_cost": paced | {"token_ms": args.token_ms},
         "paced_floor": floor | {"token_ms": args.token_ms},
     }
+
+
+async def paced_cost(args: argparse.Namespace, *, bare: bool) -> dict[str, Any]:
+    """The paced load against a fresh server: quantroute's, or the bare ASGI floor."""
+    port = free_port()
+    proc = start_server(port, args.token_ms / 1000, bare=bare)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready(base)
+        return await stream_cost(
+            base, proc.pid, args.paced_streams, args.stream_tokens, args.paced_concurrency
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def report(what: str, cost: dict[str, Any]) -> None:
