@@ -257,3 +257,16 @@ async def test_a_producer_cancelled_before_it_ran_still_closes() -> None:
     await _settle()
     assert stream.done
     await store.close()
+
+
+async def test_an_idle_follower_leaves_no_waiter_behind_each_keepalive() -> None:
+    store = _store()
+    stream, source = _open(store, grace_s=5)
+    items = stream.follow(None, keepalive_s=0.01)
+    for _ in range(20):  # twenty keep-alives on an idle stream
+        assert await anext(items) is None
+    assert len(stream._waiters) <= 1  # at most the one waiting now
+    source.put(b"x")
+    assert await anext(items) == (0, b"x")
+    await items.aclose()
+    await store.close()

@@ -181,6 +181,8 @@ class Stream:
                 finally:
                     if timer is not None:
                         timer.cancel()
+                    if waiter in self._waiters:  # timed out or cancelled: not woken
+                        self._waiters.remove(waiter)
         finally:
             self._detach(cursor)  # sync: this may run inside a cancelled scope
 
