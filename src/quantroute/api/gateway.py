@@ -300,6 +300,13 @@ class Gateway:
         self.drift.start()
         self._spawn(old.stop())
 
+    def serves(self, branch: Branch) -> bool:
+        """Whether ``branch``'s worker is the one the route table serves its id with now
+        (a reload may have replaced it; the replaced one drains)."""
+        route = self.routes.current.models.get(branch.model)
+        now = route.branch(branch.name) if route is not None else None
+        return now is not None and now.engine is branch.engine
+
     def forget(self, branch_id: str) -> None:
         """A branch id no longer in the table: its placement and residency go."""
         self.occupancy.unloaded(branch_id)

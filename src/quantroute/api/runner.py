@@ -154,6 +154,8 @@ class Runner:
             self._gateway.retry_budget.finish(retries)
             self.abandon(job, run.usage_tokens)
             job.trace.done(ok)
+            if not self._gateway.serves(branch):
+                return  # a replaced worker's verdict is not its successor's (a fresh breaker)
             if ok is True:
                 self._gateway.breakers.success(branch.id)
             elif ok is False:
