@@ -19,7 +19,6 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
-    ConfigDict,
     Field,
     ValidationInfo,
     field_validator,
@@ -27,7 +26,7 @@ from pydantic import (
 )
 
 from quantroute.api.structured import ResponseFormat
-from quantroute.api.tools import NamedToolChoice, Tool, ToolCallIn
+from quantroute.api.tools import STRICT, NamedToolChoice, Tool, ToolCallIn
 from quantroute.config import LimitSettings
 from quantroute.errors import InvalidRequestError
 
@@ -54,18 +53,17 @@ def _encodable(value: str) -> str:
     return value
 
 
-_Strict = ConfigDict(extra="forbid", strict=True)
 Str = Annotated[str, AfterValidator(_encodable)]
 Text = Annotated[str, Field(max_length=1 << 22), AfterValidator(_encodable)]
 
 
 class StreamOptions(BaseModel):
-    model_config = _Strict
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _GenerationBase(BaseModel):
-    model_config = _Strict
+    model_config = STRICT
 
     model: Str = Field(min_length=1, max_length=256)
     max_tokens: int | None = Field(None, ge=1)
@@ -130,7 +128,7 @@ class _GenerationBase(BaseModel):
 
 
 class TextPart(BaseModel):
-    model_config = _Strict
+    model_config = STRICT
     type: Literal["text"]
     text: Text
 
@@ -140,7 +138,7 @@ class ChatMessage(BaseModel):
     ``tool_calls`` instead; a ``tool`` message names the call it answers
     (``tool_call_id``)."""
 
-    model_config = _Strict
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # before content: its check reads them
     tool_calls: Annotated[list[ToolCallIn], Field(min_length=1, max_length=128)] | None = None

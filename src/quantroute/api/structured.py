@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from quantroute.api.tools import NamedToolChoice, Tool
+from quantroute.api.tools import STRICT, NamedToolChoice, Tool
 from quantroute.engines.grammar import (
     SchemaError,
     check_schema,
@@ -28,16 +28,14 @@ if TYPE_CHECKING:
 
 __all__ = ["JsonSchemaSpec", "ResponseFormat", "grammar_of"]
 
-_Strict = ConfigDict(extra="forbid", strict=True)
-
 
 class TextFormat(BaseModel):
-    model_config = _Strict
+    model_config = STRICT
     type: Literal["text"]
 
 
 class JsonObjectFormat(BaseModel):
-    model_config = _Strict
+    model_config = STRICT
     type: Literal["json_object"]
 
 
@@ -58,7 +56,7 @@ class JsonSchemaSpec(BaseModel):
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = _Strict
+    model_config = STRICT
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
 

@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from quantroute.engines.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from quantroute.engines.stops import partial_suffix
 
 __all__ = [
     "FunctionDef",
@@ -44,12 +45,12 @@ __all__ = [
     "template_messages",
 ]
 
-_Strict = ConfigDict(extra="forbid", strict=True)
+STRICT = ConfigDict(extra="forbid", strict=True)  # request models: typed, nothing extra
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")]
 
 
 class FunctionDef(BaseModel):
-    model_config = _Strict
+    model_config = STRICT
     name: Name
     description: str | None = Field(None, max_length=1 << 16)
     parameters: dict[str, Any] | None = None
@@ -61,24 +62,24 @@ class FunctionDef(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = _Strict
+    model_config = STRICT
     type: Literal["function"]
     function: FunctionDef
 
 
 class _FunctionName(BaseModel):
-    model_config = _Strict
+    model_config = STRICT
     name: Name
 
 
 class NamedToolChoice(BaseModel):
-    model_config = _Strict
+    model_config = STRICT
     type: Literal["function"]
     function: _FunctionName
 
 
 class _CalledFunction(BaseModel):
-    model_config = _Strict
+    model_config = STRICT
     name: Name
     arguments: str = Field(max_length=1 << 20)  # JSON text, as OpenAI sends it
 
@@ -86,7 +87,7 @@ class _CalledFunction(BaseModel):
 class ToolCallIn(BaseModel):
     """A call in an earlier assistant message."""
 
-    model_config = _Strict
+    model_config = STRICT
     id: str = Field(min_length=1, max_length=256)
     type: Literal["function"]
     function: _CalledFunction
@@ -222,7 +223,7 @@ class ToolCallStream:
                 self._after_call = not text
             start = text.find(TOOL_CALL_OPEN)
             if start < 0:
-                keep = _partial_suffix(text, TOOL_CALL_OPEN)
+                keep = partial_suffix(text, TOOL_CALL_OPEN)
                 content.append(text[: len(text) - keep])
                 self._held = text[len(text) - keep :]
                 break
@@ -247,14 +248,6 @@ class ToolCallStream:
         """What is still held back, as content (an unfinished block is text)."""
         held, self._held = self._held, ""
         return held
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that starts ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def split_calls(text: str, *, parallel: bool = True) -> tuple[str, list[ParsedCall]]:

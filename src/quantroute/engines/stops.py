@@ -46,8 +46,14 @@ class StopMatcher:
     def _longest_stop_prefix_suffix(self, text: str) -> int:
         best = 0
         for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:n]):
-                    best = n
-                    break
+            best = partial_suffix(text, stop, longer_than=best)
         return best
+
+
+def partial_suffix(text: str, marker: str, *, longer_than: int = 0) -> int:
+    """The length of the longest end of ``text`` that begins ``marker`` (text that may yet
+    become it, so is held back); ``longer_than`` when there is none longer."""
+    for n in range(min(len(marker) - 1, len(text)), longer_than, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return longer_than
