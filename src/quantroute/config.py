@@ -540,6 +540,25 @@ class ScoreWeights(_Frozen):
     heat: float = Field(default=0.05, ge=0, description="1 - device thermal pressure in [0, 1].")
 
 
+class SpeedSettings(_Frozen):
+    """Each branch's live end-to-end speed, which the deadline filter predicts with
+    (``routing/speeds.py``)."""
+
+    weight: float = Field(
+        default=0.2,
+        gt=0,
+        le=1,
+        description="Weight of a finished request in a branch's observed TTFT and time per "
+        "output token (an exponentially weighted mean).",
+    )
+    max_age_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A branch's observed speed is dropped after this long without a finished "
+        "request; the deadline filter then reads the profile again.",
+    )
+
+
 class RoutingSettings(_Frozen):
     """How the policy maps a request's requirement and the live state to a branch."""
 
@@ -608,6 +627,10 @@ class RoutingSettings(_Frozen):
         ge=0,
         description="Room beyond its footprint a device needs before an unloaded branch is "
         "loaded again (hysteresis).",
+    )
+    speeds: SpeedSettings = Field(
+        default_factory=lambda: SpeedSettings(),
+        description="Observed end-to-end speeds for the deadline filter.",
     )
 
     @model_validator(mode="after")

@@ -443,7 +443,7 @@ def test_explanations_cover_every_branch_in_input_order() -> None:
         ({}, "exact", None, "quality", "only the reference meets max_kld 0"),
         ({}, "fast", None, "quality", "no bound"),
         ({"q8_0": {"decode_tps": None}}, None, "100", "deadline", "unknown speed"),
-        ({}, None, "50", "deadline", "predicted 54.6 ms > deadline 50 ms"),
+        ({}, None, "50", "deadline", "predicted 54.6 ms (profile speed) > deadline 50 ms"),
         (
             {"q8_0": {"device_free_bytes": 1000}},
             None,

@@ -6,6 +6,7 @@ import dataclasses
 import time
 
 from qrtest import fake_table
+from quantroute.engines.fake import FakeEngine
 from quantroute.resilience import Breakers
 from quantroute.routing import RouteTableRef
 from quantroute.routing.policy import choose
@@ -98,3 +99,78 @@ def test_a_record_is_kept_while_its_inputs_hold_and_rebuilt_when_they_move() -> 
     assert moved[2].recent_rate > 0 and first[2].recent_rate == 0
     assert [s.name for s in moved if s.breaker_open] == ["q8_0"]
     assert states.read("tiny-llama")[2] is moved[2]  # and kept again
+
+
+class _Loaded(FakeEngine):
+    """A fake engine whose load the test sets."""
+
+    load = 0
+
+    @property
+    def in_flight(self) -> int:
+        return self.load
+
+
+class _VersionedPlacements:
+    def __init__(self) -> None:
+        self.version = 0
+        self.kv = 1024
+
+    def get(self, branch_id: str) -> Placement:
+        return Placement("sim:0", Footprint(0, 0, 0, 0), kv_bytes_per_token=self.kv)
+
+
+def test_a_request_rereads_load_and_breakers_at_once_and_the_rest_when_its_stamp_moves() -> None:
+    settings = RoutingSettings()
+    device = DeviceStats("sim:0", DeviceKind.SIM, "sim", 24 * GiB, 0, 24 * GiB)
+    snapshot = DeviceSnapshot(devices=(device,), taken_at=time.monotonic())
+    engines = {n: _Loaded() for n in ("f16", "q8_0", "q4_k_m")}
+    for e in engines.values():
+        e._ready = True
+        e.load = 0
+    breakers = Breakers()
+    placements = _VersionedPlacements()
+    verdicts = {"tiny-llama:q8_0": False}
+    drift = {"version": 0}
+    states = BranchStates(
+        RouteTableRef(fake_table(engines)),  # type: ignore[arg-type]
+        lambda: snapshot,
+        lifecycle=_Ready(),
+        placements=placements,
+        degraded=lambda branch_id: verdicts.get(branch_id, False),
+        breakers=breakers,
+        health=HealthTracker(),
+        margin=MarginPolicy(min_bytes=0, fraction=0.0),
+        popularity=RecentRate(),
+        degraded_version=lambda: drift["version"],
+    )
+    first = states.read("tiny-llama")
+    assert states.read("tiny-llama") is first  # nothing moved: the very same tuple
+    engines["q8_0"].load = 3  # a load moves: that record alone is rebuilt
+    loaded = states.read("tiny-llama")
+    assert loaded is not first and loaded[1].running == 3 and loaded[1].queued == 0
+    assert loaded[0] is first[0] and loaded[2] is first[2]
+    # a verdict or placement that changes without its version is not reread (the contract)...
+    verdicts["tiny-llama:q8_0"] = True
+    placements.kv = 2048
+    assert not states.read("tiny-llama")[1].degraded
+    drift["version"] += 1  # ...and is, once the version says so
+    assert states.read("tiny-llama")[1].degraded
+    placements.version += 1
+    assert {s.kv_bytes_per_token for s in states.read("tiny-llama")} == {2048}
+    for _ in range(5):  # a breaker opens: seen on the next request, nothing else changed
+        breakers.failure("tiny-llama:q4_k_m")
+    assert [s.breaker_open for s in states.read("tiny-llama")] == [False, False, True]
+    verdicts["tiny-llama:q8_0"] = False  # while one is not closed, everything is reread
+    assert not states.read("tiny-llama")[1].degraded
+    # the ranking the policy reuses for the same tuple equals one computed afresh
+    requirement = parse_requirement("fast", None, None, None, settings)
+    shape = RequestShape(64, 16)
+    now = states.read("tiny-llama")
+    again = choose("tiny-llama", requirement, shape, now, settings)
+    fresh = choose("tiny-llama", requirement, shape, list(now), settings)
+    assert again.branch_ids == fresh.branch_ids and again.reason == fresh.reason
+    # and another size on the same tuple is computed for that size (memory filter)
+    big = RequestShape(24 * GiB // 2048, 16)
+    fits = choose("tiny-llama", requirement, big, now, settings)
+    assert fits.reason == "best-effort"  # nothing fits: the tier's best effort

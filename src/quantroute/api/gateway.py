@@ -54,6 +54,7 @@ from quantroute.resilience import (
     load_tenants,
 )
 from quantroute.routing.residency import Residency
+from quantroute.routing.speeds import ObservedSpeeds, observe_finished
 from quantroute.routing.states import BranchStates, RecentRate
 from quantroute.routing.table import Branch, RouteTable, RouteTableRef
 from quantroute.telemetry import DevicePoller, DeviceProvider, SimDeviceProvider
@@ -159,6 +160,10 @@ class Gateway:
             margin=self.margin,
             popularity=self.popularity,
             stale_free_cap_bytes=settings.routing.tight_free_bytes - 1,
+            degraded_version=lambda: (self.drift, self.drift.version),
+            speeds=ObservedSpeeds(
+                settings.routing.speeds.weight, settings.routing.speeds.max_age_s
+            ),
         )
         self.observer = Observer(settings.observability, device_of=self._device_of)
         self.catalog = Catalog(settings)
@@ -283,10 +288,11 @@ class Gateway:
 
     def swap(self, table: RouteTable, retired: Sequence[Branch]) -> None:
         """Serve ``table`` from now on; ``retired`` branches drain (``api.reload``). A
-        branch id that gets a new worker gets a fresh circuit breaker too."""
+        branch id that gets a new worker gets a fresh circuit breaker and speed too."""
         self.detach(retired)
         for b in retired:
             self.breakers.reset(b.id)
+            self.states.speeds.forget(b.id)  # and its speed is learned afresh
         for b in table.branches():
             self._branch_of[id(b.engine)] = b  # the same engine may have a fresh Branch
             if b.engine.ready:
@@ -337,6 +343,7 @@ class Gateway:
     def finished(self, run: Run, tokens: list[int]) -> None:
         """A request's first choice finished: count it, and offer it for drift replay."""
         self.popularity.record(run.branch.id)
+        observe_finished(self.states.speeds, run.branch.id, run.job.trace, len(tokens))
         version = run.branch.version
         if version is not None:  # answers by version: /admin/status and metrics
             self.answered[run.branch.model] += 1

@@ -66,6 +66,7 @@ def models_json(gateway: Gateway, tenant: Tenant = OPEN) -> dict[str, Any]:
                     if b.name in route.stale
                     else ("measured" if b.profile else "unprofiled"),
                     "drift": _drift_json(gateway, b.id),
+                    "observed_speed": gateway.states.speeds.to_json(b.id),
                 }
             )
         data.append(
@@ -290,6 +291,7 @@ class MetricsView:
                     breaker_state=gateway.breakers.get(b.id).state(now).value,
                     profile_kld=b.profile.mean_kld if b.profile else None,
                     profile_top1=b.profile.top1 if b.profile else None,
+                    observed=gateway.states.speeds.get(b.id),
                 )
             )
         return samples

@@ -17,6 +17,10 @@ metric                                     type   labels
                                                   reference, nats per token)
 ``quantroute_branch_profile_top1``         gauge  model, branch (profiled top-1 agreement)
 ``quantroute_branch_in_flight``            gauge  model, branch
+``quantroute_branch_observed_ttft_seconds``  gauge  model, branch (routing's observed time to
+                                                  first token, end to end; absent without)
+``quantroute_branch_observed_decode_tokens_per_second``  gauge  model, branch (the same,
+                                                  output tokens/s after the first)
 ``quantroute_branch_degraded``             gauge  model, branch (the drift monitor's verdict)
 ``quantroute_branch_drift_window_kld``     gauge  model, branch (mean KLD of the last window)
 ``quantroute_branch_drift_window_top1``    gauge  model, branch
@@ -62,6 +66,14 @@ class BranchSample:
     breaker_state: str = "closed"
     profile_kld: float | None = None
     profile_top1: float | None = None
+    observed: ObservedSpeedLike | None = None  # routing's end-to-end speed (routing.speeds)
+
+
+class ObservedSpeedLike(Protocol):
+    @property
+    def ttft_ms(self) -> float: ...
+    @property
+    def decode_tps(self) -> float | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +168,22 @@ class GatewayCollector(Collector):
             "Profiled top-1 agreement with the reference.",
             labels=branch_labels,
         )
+        observed_ttft = GaugeMetricFamily(
+            "quantroute_branch_observed_ttft_seconds",
+            "Time to first token as recent requests on the branch saw it (routing's estimate).",
+            labels=branch_labels,
+        )
+        observed_tps = GaugeMetricFamily(
+            "quantroute_branch_observed_decode_tokens_per_second",
+            "Output tokens/s after the first as recent requests saw it (routing's estimate).",
+            labels=branch_labels,
+        )
         for b in self._view.branch_samples():
             ids = [b.model, b.branch]
+            if b.observed is not None:
+                observed_ttft.add_metric(ids, b.observed.ttft_ms / 1000.0)
+                if b.observed.decode_tps is not None:
+                    observed_tps.add_metric(ids, b.observed.decode_tps)
             for name in BREAKER_STATES:
                 state.add_metric([*ids, name], float(b.breaker_state == name))
             if b.profile_kld is not None:
@@ -175,7 +201,7 @@ class GatewayCollector(Collector):
                 top1.add_metric(ids, b.window_top1)
             footprint.add_metric([*ids, b.device], float(b.footprint_bytes))
         yield from (ready, failed, breaker, in_flight, degraded, kld, top1, footprint)
-        yield from (state, profile_kld, profile_top1)
+        yield from (state, profile_kld, profile_top1, observed_ttft, observed_tps)
 
         devices, age = self._view.device_samples()
         labels = ["device", "kind"]

@@ -242,6 +242,7 @@ class DriftMonitor:
         self._on_change = on_change
         self._rng = rng or random.Random()
         self._states: dict[str, DriftState] = {b: DriftState() for b in self._reference}
+        self.version = 0  # counts changes of any branch's verdict (routing rereads on one)
         self._windows = {b: DriftWindow(settings.window_tokens) for b in self._reference}
         self._queue: asyncio.Queue[Replay] = asyncio.Queue(maxsize=settings.queue)
         self._task: asyncio.Task[None] | None = None
@@ -259,6 +260,7 @@ class DriftMonitor:
                 and self._baselines.get(b) == old._baselines.get(b)
             ):
                 self._states[b] = old._states[b]
+                self.version += 1
                 self._windows[b] = old._windows[b]
 
     def degraded(self, branch: str) -> bool:
@@ -353,6 +355,7 @@ class DriftMonitor:
         after = judge(before, WindowResult(mean_kld, top1, n, in_bounds), s)
         self._states[branch] = after
         if after.degraded != before.degraded:
+            self.version += 1
             if after.degraded:
                 log.error(
                     "ALERT drift: %s degraded: window mean KLD %.4f (profile %.4f), top-1 %.3f "

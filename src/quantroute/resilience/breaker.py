@@ -24,6 +24,7 @@ reads the monotonic clock.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -47,10 +48,13 @@ class BreakerPolicy:
 class CircuitBreaker:
     """One branch's breaker; see the module docstring."""
 
-    __slots__ = ("_failures", "_open_until", "_opens", "_policy", "_probes", "_state")
+    __slots__ = ("_failures", "_on_open", "_open_until", "_opens", "_policy", "_probes", "_state")
 
-    def __init__(self, policy: BreakerPolicy | None = None):
+    def __init__(
+        self, policy: BreakerPolicy | None = None, on_open: Callable[[], None] | None = None
+    ):
         self._policy = policy or BreakerPolicy()
+        self._on_open = on_open  # told each time it opens (Breakers' version)
         self._state = BreakerState.CLOSED
         self._failures = 0  # in a row, while closed
         self._opens = 0  # openings since it was last closed by a success
@@ -117,20 +121,35 @@ class CircuitBreaker:
         self._open_until = now + min(p.open_max_s, p.open_base_s * 2 ** (self._opens - 1))
         self._failures = 0
         self._probes = 0
+        if self._on_open is not None:
+            self._on_open()
 
 
 class Breakers:
-    """One :class:`CircuitBreaker` per branch id, made on first use."""
+    """One :class:`CircuitBreaker` per branch id, made on first use.
+
+    ``version`` counts openings: while it holds, a breaker that was closed is still
+    closed (only an opening leaves that state), so routing rereads breakers only when
+    it moved or while one is not closed (:meth:`closed`)."""
 
     def __init__(self, policy: BreakerPolicy | None = None):
         self._policy = policy or BreakerPolicy()
         self._breakers: dict[str, CircuitBreaker] = {}
+        self.version = 0
+
+    def _opened(self) -> None:
+        self.version += 1
 
     def get(self, branch_id: str) -> CircuitBreaker:
         breaker = self._breakers.get(branch_id)
         if breaker is None:
-            breaker = self._breakers[branch_id] = CircuitBreaker(self._policy)
+            breaker = self._breakers[branch_id] = CircuitBreaker(self._policy, self._opened)
         return breaker
+
+    def closed(self, branch_id: str) -> bool:
+        """Whether the branch's breaker is closed (none yet counts as closed)."""
+        breaker = self._breakers.get(branch_id)
+        return breaker is None or breaker.state(time.monotonic()) is BreakerState.CLOSED
 
     def reset(self, branch_id: str) -> None:
         """A fresh breaker for ``branch_id`` (a reload replaced its file and worker)."""

@@ -16,8 +16,10 @@ quality    the requirement has no bound; or the branch is the reference (it meet
            (``fast``) can use it.
 memory     ``device_free_bytes >= kv_bytes_per_token * (prompt_tokens + max_tokens)``
 deadline   no deadline; or unknown speeds (passes, marked "unknown"); or the predicted latency
-           ``queue wait + prompt_tokens / prefill_tps + max_tokens / decode_tps`` is at most
-           ``deadline_ms``
+           ``queue wait + service`` is at most ``deadline_ms``. ``service`` is the branch's
+           observed end-to-end speed when it has one (``observed_ttft_ms + (max_tokens - 1)
+           * observed_tpot_ms``, ``routing.speeds``), else the profile's engine-only speed,
+           ``prompt_tokens / prefill_tps + max_tokens / decode_tps``
 =========  ===================================================================================
 
 Queue wait is ``ahead * service / parallel``: ``ahead`` is ``queued``, plus
@@ -83,10 +85,19 @@ def evaluate(
         need = b.kv_bytes_per_token * tokens
         if need > b.device_free_bytes:
             fails |= MEMORY
-        prefill = b.prefill_tps
         decode = b.decode_tps
-        if prefill and decode:
-            service = 1000.0 * (prompt / prefill + generate / decode)
+        ttft = b.observed_ttft_ms
+        if ttft is not None:  # what requests on this branch saw lately, end to end
+            tpot = b.observed_tpot_ms
+            if tpot is None and decode:
+                tpot = 1000.0 / decode
+            service = None if tpot is None else ttft + (generate - 1 if generate else 0) * tpot
+        else:
+            prefill = b.prefill_tps
+            service = (
+                1000.0 * (prompt / prefill + generate / decode) if prefill and decode else None
+            )
+        if service is not None:
             parallel = b.parallel if b.parallel > 0 else 1
             ahead = b.queued + (1 if b.running >= parallel else 0)
             if ahead:
@@ -131,10 +142,14 @@ def _reason(
         return f"needs {need} B {verdict} {b.device_free_bytes} B free on {b.device}"
     if predicted is None:
         return "unknown speed"
+    source = "observed" if b.observed_ttft_ms is not None else "profile"
     if requirement.deadline_ms is None:
-        return f"predicted {predicted:.1f} ms, no deadline"
+        return f"predicted {predicted:.1f} ms ({source} speed), no deadline"
     verdict = "<=" if predicted <= requirement.deadline_ms else ">"
-    return f"predicted {predicted:.1f} ms {verdict} deadline {requirement.deadline_ms:g} ms"
+    return (
+        f"predicted {predicted:.1f} ms ({source} speed) {verdict} "
+        f"deadline {requirement.deadline_ms:g} ms"
+    )
 
 
 def _quality_reason(requirement: Requirement, b: BranchState) -> str:

@@ -240,6 +240,14 @@ def pinned(model: str, branch_id: str, *, ready: bool, retry_after_s: float) -> 
     return Decision(model, (branch_id,), "pinned", pinned=True)
 
 
+# The last ranking per (requirement, prompt and output size), reused while the states are
+# the same tuple (``BranchStates.read`` returns the same one while no record changed) and
+# the settings the same object: filters and scores are pure, so they would come out equal.
+# A list of states is never reused (it could have been edited in place).
+_RANKED_MAX = 256
+_ranked: dict[tuple[Requirement, int, int], tuple[Any, ...]] = {}
+
+
 def choose(
     model: str,
     requirement: Requirement,
@@ -255,20 +263,30 @@ def choose(
     :class:`ServiceUnavailableError` when nothing can serve and the tier says
     reject (see the module docstring).
     """
-    rows = filters.evaluate(requirement, request, branches)
-    feasible = [i for i, row in enumerate(rows) if not row[0]]
-    if not feasible:
-        return _nothing_feasible(model, requirement, request, branches, rows, settings)
-
-    scored = score_branches(requirement, branches, rows, feasible, settings)
-    n = len(feasible)
-    if n == 1:
-        order = [0]
-    else:  # best score first; equal scores by id, so the input order never matters
-        ranked = sorted(
-            zip([-s[0] for s in scored], [branches[i].id for i in feasible], range(n), strict=True)
-        )
-        order = [r[2] for r in ranked]
+    size = (requirement, request.prompt_tokens, request.max_tokens)
+    memo = _ranked.get(size) if type(branches) is tuple else None
+    if memo is not None and memo[0] is branches and memo[1] is settings:
+        _, _, rows, feasible, scored, ranking = memo
+    else:
+        rows = filters.evaluate(requirement, request, branches)
+        feasible = [i for i, row in enumerate(rows) if not row[0]]
+        if not feasible:
+            return _nothing_feasible(model, requirement, request, branches, rows, settings)
+        scored = score_branches(requirement, branches, rows, feasible, settings)
+        n = len(feasible)
+        if n == 1:
+            ranking = (0,)
+        else:  # best score first; equal scores by id, so the input order never matters
+            ids = [branches[i].id for i in feasible]
+            ranking = tuple(
+                r[2] for r in sorted(zip([-s[0] for s in scored], ids, range(n), strict=True))
+            )
+        if type(branches) is tuple:
+            if len(_ranked) >= _RANKED_MAX:
+                _ranked.clear()
+            _ranked[size] = (branches, settings, rows, feasible, scored, ranking)
+    order = list(ranking)
+    n = len(order)
 
     tied = 1
     if n > 1 and request.prefix:

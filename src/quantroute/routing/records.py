@@ -33,7 +33,10 @@ class BranchState:
     where unknown), ``running`` (sequences holding a slot), ``queued``
     (admitted, waiting for a slot), ``recent_rate`` (requests/s routed here
     lately: popularity), ``mean_service_ms`` (measured mean time a request
-    holds a slot; ``None`` to estimate it from the profile).
+    holds a slot; ``None`` to estimate it from the profile), ``observed_ttft_ms``
+    / ``observed_tpot_ms`` (time to first token and per output token after it, end
+    to end, as recent requests on the branch saw them: ``routing.speeds``; ``None``
+    before there are observations, and the deadline filter reads the profile).
     """
 
     id: str
@@ -59,6 +62,8 @@ class BranchState:
     recent_rate: float = 0.0
     heat: float = 0.0
     mean_service_ms: float | None = None
+    observed_ttft_ms: float | None = None
+    observed_tpot_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

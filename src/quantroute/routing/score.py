@@ -72,7 +72,23 @@ class Regime(StrEnum):
 
 def weights(settings: RoutingSettings) -> tuple[float, ...]:
     """The score's weights in the order of :data:`TERMS`."""
-    return tuple(getattr(settings.weights, term) for term in TERMS)
+    return _constants(settings)[0]
+
+
+# settings id -> (the settings, their weights, fit_decay ** level for levels 0..63): the
+# settings are immutable, so this is read once per settings object, not per request
+_CONSTANTS: dict[int, tuple[RoutingSettings, tuple[float, ...], tuple[float, ...]]] = {}
+
+
+def _constants(settings: RoutingSettings) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    got = _CONSTANTS.get(id(settings))
+    if got is None or got[0] is not settings:
+        w = tuple(float(getattr(settings.weights, term)) for term in TERMS)
+        decay = tuple(settings.fit_decay**level for level in range(64))
+        if len(_CONSTANTS) > 64:
+            _CONSTANTS.clear()
+        got = _CONSTANTS[id(settings)] = (settings, w, decay)
+    return got[1], got[2]
 
 
 def regime(free_bytes: int, settings: RoutingSettings) -> Regime:
@@ -115,41 +131,54 @@ def score_branches(
     """
     ref_bits = reference_bits(branches)
     inf = math.inf
+    n = len(feasible)
     cost: list[float] = []
-    keys: list[tuple[int, float, int]] = []
+    keyed: list[tuple[tuple[int, float, int], int]] = []
     cheapest: dict[str, float] = {}
-    for i in feasible:
+    for j, i in enumerate(feasible):
         b = branches[i]
         model = b.model
         c = BITS[b.precision] / ref_bits[model]
         kld = b.mean_kld
         # fidelity_key(b), inlined: this loop is the policy's hot path
-        keys.append((0 if b.is_reference else 1, inf if kld is None else kld, RANK[b.precision]))
+        keyed.append(
+            ((0 if b.is_reference else 1, inf if kld is None else kld, RANK[b.precision]), j)
+        )
         cost.append(c)
         if c < cheapest.get(model, inf):
             cheapest[model] = c
     # level: place among the distinct fidelity keys of the model's feasible branches
-    level: list[int] = [0] * len(feasible)
-    previous: dict[str, tuple[tuple[int, float, int], int]] = {}
-    for key, j in sorted(zip(keys, range(len(feasible)), strict=True)):
-        model = branches[feasible[j]].model
-        seen = previous.get(model)
-        n = 0 if seen is None else (seen[1] if seen[0] == key else seen[1] + 1)
-        previous[model] = (key, n)
-        level[j] = n
+    level: list[int] = [0] * n
+    if len(cheapest) == 1:  # one model (the usual case): no per-model bookkeeping
+        keyed.sort()
+        seen_key, k = keyed[0][0], 0
+        for key, j in keyed:
+            if key != seen_key:
+                seen_key, k = key, k + 1
+            level[j] = k
+    else:
+        previous: dict[str, tuple[tuple[int, float, int], int]] = {}
+        for key, j in sorted(keyed):
+            model = branches[feasible[j]].model
+            seen = previous.get(model)
+            k = 0 if seen is None else (seen[1] if seen[0] == key else seen[1] + 1)
+            previous[model] = (key, k)
+            level[j] = k
 
-    w_fit, w_headroom, w_load, w_latency, w_health, w_heat = weights(settings)
-    decay = settings.fit_decay
+    (w_fit, w_headroom, w_load, w_latency, w_health, w_heat), decays = _constants(settings)
     ratio = settings.constrained_cost_ratio
     ample = settings.ample_free_bytes
     tight = settings.tight_free_bytes
     saturation = settings.load_saturation
     deadline = requirement.deadline_ms
+    no_deadline = deadline is None
+    top = len(decays) - 1
 
     out: list[tuple[float, tuple[float, ...]]] = []
+    append = out.append
     for j, i in enumerate(feasible):
         b = branches[i]
-        _, need, service, predicted = rows[i]
+        row = rows[i]
         free = b.device_free_bytes
         c = cost[j]
         if free >= ample:
@@ -158,13 +187,18 @@ def score_branches(
             price = 1.0 if c <= ratio else ratio / c
         else:
             price = cheapest[b.model] / c
-        fit = decay ** level[j] * price
+        lv = level[j]
+        fit = (decays[lv] if lv <= top else decays[1] ** lv) * price
 
         total = b.device_total_bytes
-        headroom = (free - need) / total if total > 0 else 0.0
-        headroom = 0.0 if headroom < 0.0 else (1.0 if headroom > 1.0 else headroom)
+        if total > 0:
+            headroom = (free - row[1]) / total
+            headroom = 0.0 if headroom < 0.0 else (1.0 if headroom > 1.0 else headroom)
+        else:
+            headroom = 0.0
 
         occupancy = float(b.running + b.queued)
+        service = row[2]
         if b.recent_rate > 0.0 and service is not None:
             mean = b.mean_service_ms
             recent = b.recent_rate * (service if mean is None else mean) / 1000.0
@@ -174,26 +208,33 @@ def score_branches(
         pressure = occupancy / (parallel * saturation)
         load = 0.0 if pressure >= 1.0 else 1.0 - pressure
 
-        if deadline is None:
+        if no_deadline:
             latency = 1.0
-        elif predicted is None:
-            latency = 0.5
         else:
-            latency = 1.0 - predicted / deadline if deadline > 0.0 else 0.0
-            latency = 0.0 if latency < 0.0 else latency
+            predicted = row[3]
+            if predicted is None:
+                latency = 0.5
+            elif deadline > 0.0:  # type: ignore[operator]
+                latency = 1.0 - predicted / deadline  # type: ignore[operator]
+                if latency < 0.0:
+                    latency = 0.0
+            else:
+                latency = 0.0
 
         health = b.device_health
         health = 0.0 if health < 0.0 else (1.0 if health > 1.0 else health)
         heat = b.heat
         cool = 1.0 - (0.0 if heat < 0.0 else (1.0 if heat > 1.0 else heat))
 
-        total_score = (
-            w_fit * fit
-            + w_headroom * headroom
-            + w_load * load
-            + w_latency * latency
-            + w_health * health
-            + w_heat * cool
+        append(
+            (
+                w_fit * fit
+                + w_headroom * headroom
+                + w_load * load
+                + w_latency * latency
+                + w_health * health
+                + w_heat * cool,
+                (fit, headroom, load, latency, health, cool),
+            )
         )
-        out.append((total_score, (fit, headroom, load, latency, health, cool)))
     return out

@@ -13,11 +13,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
+from quantroute.engines.base import EngineInfo
 from quantroute.resilience.breaker import Breakers
 from quantroute.routing.records import BranchState
-from quantroute.routing.table import Branch, RouteTableRef
+from quantroute.routing.speeds import ObservedSpeed, ObservedSpeeds
+from quantroute.routing.table import Branch, ModelRoute, RouteTableRef
 from quantroute.telemetry.health import HealthTracker
 from quantroute.telemetry.occupancy import Placement
 from quantroute.telemetry.placement import MarginPolicy
@@ -57,6 +59,18 @@ class RecentRate:
         now = time.monotonic() if now is None else now
         return rate * math.exp(-(now - last) / self._window_s)
 
+    def rates_now(self, now: float) -> Callable[[str], float]:
+        """``rate(branch_id, now)`` for one ``now``, cheaper per call (routing's hot path)."""
+        rates = self._rates
+        window = self._window_s
+        exp = math.exp
+
+        def rate(branch_id: str) -> float:
+            got = rates.get(branch_id)
+            return 0.0 if got is None or not got[1] else got[0] * exp((got[1] - now) / window)
+
+        return rate
+
     def last_used(self, branch_id: str) -> float:
         """Monotonic time of the branch's last request; 0 if never."""
         return self._rates.get(branch_id, (0.0, 0.0))[1]
@@ -73,7 +87,19 @@ class PlacementView(Protocol):
 
 
 class BranchStates:
-    """``read(model)``: every branch of ``model`` as the policy sees it now."""
+    """``read(model)``: every branch of ``model`` as the policy sees it now.
+
+    A request rereads only what changes per request: each branch's lifecycle (ready,
+    draining), load, engine info, popularity and observed speed. The rest — the route,
+    placements, breakers, drift verdicts, and each device's free memory, health and heat
+    — is read again only when its stamp moves: the route table and device snapshot by
+    identity (both replaced whole), placements, breakers and drift by their ``version``
+    (a part without one is reread every time), and while any of the model's breakers is
+    not closed (a half-open breaker's probes come and go without an opening). Device
+    health is thus as of the last snapshot (one poll interval; a worker's crash makes
+    its branch not ready at once anyway). The tuple returned is the same object while no
+    branch's record changed.
+    """
 
     def __init__(
         self,
@@ -88,6 +114,8 @@ class BranchStates:
         margin: MarginPolicy,
         popularity: RecentRate,
         stale_free_cap_bytes: int | None = None,
+        degraded_version: Callable[[], object] = object,
+        speeds: ObservedSpeeds | None = None,
     ):
         self._routes = routes
         self._snapshot = snapshot
@@ -98,17 +126,25 @@ class BranchStates:
         self._health = health
         self._margin = margin
         self._popularity = popularity
+        self._speeds = speeds or ObservedSpeeds()
         # With a stale device reading, free memory counts as at most this (routing's tight
         # threshold): routing turns conservative — the cheapest branch that meets the
         # bound — never optimistic on a reading that may be long out of date.
         self._stale_free_cap_bytes = stale_free_cap_bytes
-        # branch id -> (the inputs it was built from, its record): reused while they hold
-        self._cache: dict[str, tuple[tuple[Any, ...], BranchState]] = {}
+        # A version stamp per part; ``object`` (a new, unequal object per call) for a part
+        # that has none, so it is reread every time.
+        self._placement_version: Callable[[], object] = (
+            (lambda: placements.version) if hasattr(placements, "version") else object
+        )
+        self._degraded_version = degraded_version
+        self._models: dict[str, _Model] = {}
+
+    @property
+    def speeds(self) -> ObservedSpeeds:
+        return self._speeds
 
     def read(self, model: str) -> tuple[BranchState, ...]:
-        """Cheap enough for every request: each device is read once per call, and a
-        branch whose inputs did not change since the last call keeps its record (most of
-        them: a request changes the load of one branch)."""
+        """Cheap enough for every request (see the class docstring)."""
         route = self._routes.current.models.get(model)
         if route is None:
             return ()
@@ -116,9 +152,56 @@ class BranchStates:
         now = time.monotonic()
         cap = self._stale_free_cap_bytes
         stale = cap is not None and snapshot is not None and snapshot.is_stale(now)
+        stamp = (
+            route,
+            snapshot,
+            stale,
+            self._placement_version(),
+            self._breakers.version,
+            self._degraded_version(),
+        )
+        m = self._models.get(model)
+        if m is None or not m.closed or m.stamp != stamp:
+            m = self._models[model] = self._slow(route, snapshot, stale, stamp)
+            if len(self._models) > 2 * len(self._routes.current.models) + 16:
+                live = self._routes.current.models
+                for gone in [k for k in self._models if k not in live]:
+                    del self._models[gone]
+        routable = self._lifecycle.routable
+        rates = self._popularity.rates_now(now)
+        speed = self._speeds.get
+        keys = m.keys
+        records = m.records
+        changed = False
+        for k, b in enumerate(route.branches):
+            engine = b.engine
+            key: _Key = (
+                routable(b),
+                engine.in_flight,
+                engine.info,
+                _steps(rates(b.id)),
+                speed(b.id, now),
+            )
+            if key != keys[k]:
+                keys[k] = key
+                records[k] = _state(route.reference, b, m.fixed[k], *key)
+                changed = True
+        if changed or m.states is None:
+            m.states = tuple(records)
+        return m.states
+
+    def _slow(
+        self,
+        route: ModelRoute,
+        snapshot: DeviceSnapshot | None,
+        stale: bool,
+        stamp: tuple[object, ...],
+    ) -> _Model:
+        """Read the parts that change rarely, once for every branch of ``route``."""
+        cap = self._stale_free_cap_bytes
         devices: dict[str, tuple[int, int, float, float]] = {}
-        cache = self._cache
-        states = []
+        fixed = []
+        closed = True
         for b in route.branches:
             placement = self._placements.get(b.id)
             device_id = placement.device if placement and placement.device else "cpu"
@@ -129,49 +212,56 @@ class BranchStates:
                 total = device.total_bytes if device else 0
                 seen = (free, total, self._health.factor(device_id), thermal_pressure(device))
                 devices[device_id] = seen
-            info = b.engine.info
-            parallel = info.parallel if info is not None else 1
-            in_flight = b.engine.in_flight
-            inputs = (
-                b,  # a new route table's branch is a new object: its profile, its name
-                placement,
-                self._lifecycle.routable(b),
-                self._breakers.is_open(b.id),
-                self._degraded(b.id),
-                seen,
-                in_flight,
-                parallel,
-                # decays every instant: the record is rebuilt when it moved by 0.05 req/s
-                round(self._popularity.rate(b.id, now), 1),
-            )
-            hit = cache.get(b.id)
-            if hit is not None and hit[0] == inputs:
-                states.append(hit[1])
-                continue
-            state = _state(route.reference, *inputs)
-            cache[b.id] = (inputs, state)
-            states.append(state)
-        if len(cache) > 4 * len(route.branches) + 64:  # branches of replaced tables
-            live = {b.id for r in self._routes.current.models.values() for b in r.branches}
-            for key in [k for k in cache if k not in live]:
-                del cache[key]
-        return tuple(states)
+            closed = closed and self._breakers.closed(b.id)
+            fixed.append((placement, self._breakers.is_open(b.id), self._degraded(b.id), seen))
+        old = self._models.get(route.name)
+        n = len(route.branches)
+        if old is not None and old.route is route and old.fixed == fixed:
+            return _Model(route, stamp, old.fixed, closed, old.keys, old.records, old.states)
+        return _Model(route, stamp, fixed, closed, [None] * n, [None] * n, None)  # type: ignore[list-item]
+
+
+_Fixed = tuple[Placement | None, bool, bool, tuple[int, int, float, float]]
+_Key = tuple[bool, int, EngineInfo | None, float, ObservedSpeed | None]
+
+
+class _Model:
+    """One model's records and what they were built from."""
+
+    __slots__ = ("closed", "fixed", "keys", "records", "route", "stamp", "states")
+
+    def __init__(
+        self,
+        route: ModelRoute,
+        stamp: tuple[object, ...],
+        fixed: list[_Fixed],
+        closed: bool,
+        keys: list[_Key | None],
+        records: list[BranchState],
+        states: tuple[BranchState, ...] | None,
+    ):
+        self.route = route
+        self.stamp = stamp
+        self.fixed = fixed  # per branch: placement, breaker open, degraded, device figures
+        self.closed = closed  # every breaker closed: their version alone says when to reread
+        self.keys = keys  # per branch: the per-request inputs its record was built from
+        self.records = records
+        self.states = states
 
 
 def _state(
     reference: str,
     b: Branch,
-    placement: Placement | None,
+    fixed: _Fixed,
     ready: bool,
-    breaker_open: bool,
-    degraded: bool,
-    device: tuple[int, int, float, float],
     in_flight: int,
-    parallel: int,
+    info: EngineInfo | None,
     recent_rate: float,
+    speed: ObservedSpeed | None,
 ) -> BranchState:
     profile = b.profile
-    free, total, health, heat = device
+    placement, breaker_open, degraded, (free, total, health, heat) = fixed
+    parallel = info.parallel if info is not None else 1
     return BranchState(
         id=b.id,
         model=b.model,
@@ -195,7 +285,22 @@ def _state(
         parallel=parallel,
         recent_rate=recent_rate,
         heat=heat,
+        observed_ttft_ms=speed.ttft_ms if speed is not None else None,
+        observed_tpot_ms=speed.tpot_ms if speed is not None else None,
     )
+
+
+_STEP = 2.0**0.25  # a recent rate counts in steps of about a fifth
+
+
+def _steps(rate: float) -> float:
+    """``rate`` rounded to a step of about 19 % (under 0.01 req/s: 0). Popularity decays
+    every instant and grows with every request; its record is rebuilt (and the policy's
+    ranking computed again) only when it moved by a step. It enters the score times a
+    service time (the load term's Little's-law occupancy), where a fifth is noise."""
+    if rate < 0.01:
+        return 0.0
+    return float(_STEP ** round(math.log(rate, _STEP)))
 
 
 def _free(headroom: int, cap: int | None, stale: bool) -> int:

@@ -139,6 +139,7 @@ class Occupancy:
         self._sim = sim
         self._sim_weight_scale = sim_weight_scale
         self._placements: dict[str, Placement] = {}
+        self.version = 0  # counts changes of any placement (routing rereads on one)
         if sim is not None:
             poller.listeners.append(self._on_snapshot)
 
@@ -188,6 +189,7 @@ class Occupancy:
             placement = self._place_one(request, devices)
             placement = dataclasses.replace(placement, oom_flag=self._oom_flag(placement.device))
             self._placements[request.branch_id] = placement
+            self.version += 1
             if placement.device is not None:
                 need = self.device_bytes(placement.footprint)
                 devices = [_reserve(d, need) if d.id == placement.device else d for d in devices]
@@ -271,13 +273,16 @@ class Occupancy:
         that is gone)."""
         if placement is None:
             self._placements.pop(branch_id, None)
+            self.version += 1
         else:
             self._placements[branch_id] = placement
+            self.version += 1
 
     def move(self, branch_id: str, device: str) -> None:
         self._placements[branch_id] = dataclasses.replace(
             self._placements[branch_id], device=device, oom_flag=self._oom_flag(device)
         )
+        self.version += 1
 
     def _oom_flag(self, device: str | None) -> str:
         if self._sim is None or device is None or device not in self._sim.device_ids:
@@ -323,6 +328,7 @@ class Occupancy:
             return
         footprint = placement.footprint.with_measurement(measured)
         self._placements[branch_id] = dataclasses.replace(placement, footprint=footprint)
+        self.version += 1
         self.loaded(branch_id)
         log.info(
             "%s: footprint %d MiB measured, %d MiB estimated",

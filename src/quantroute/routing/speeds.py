@@ -1,0 +1,121 @@
+"""Each branch's live end-to-end speed, as the requests it served saw it.
+
+The profile's ``prefill_tps`` / ``decode_tps`` are the engine's speed alone, measured
+idle; a request also pays the admission queue, the slot wait, batching with the other
+sequences and the gateway, 3-8x slower on the demo machine. :class:`ObservedSpeeds`
+keeps, per branch, an exponentially weighted mean of two figures fed when a request
+finishes (``Gateway.finished``): its time to first token (from the request's arrival)
+and its time per output token after the first. The deadline filter predicts with them
+once a branch has observations, and with the profile before (or after ``max_age_s``
+without one: a branch that a slow burst made look slow gets traffic again, and so new
+observations, rather than being shunned forever on old news).
+
+Times per token are averaged rather than rates, because latency adds up per token: the
+mean of 1 ms and 9 ms per token predicts 5 ms, the right mean time, where the mean of
+1000 and 111 tok/s would predict 1.8 ms.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+__all__ = ["ObservedSpeed", "ObservedSpeeds", "observe_finished"]
+
+
+@dataclass(frozen=True, slots=True)
+class ObservedSpeed:
+    """One branch's observed speed: ``ttft_ms`` (arrival to first token) and ``tpot_ms``
+    (time per output token after the first; ``None`` until a request had two tokens),
+    over ``samples`` requests, the last at ``at`` (monotonic seconds)."""
+
+    ttft_ms: float
+    tpot_ms: float | None
+    samples: int
+    at: float
+
+    @property
+    def decode_tps(self) -> float | None:
+        """Output tokens per second after the first, end to end."""
+        return 1000.0 / self.tpot_ms if self.tpot_ms else None
+
+
+class ObservedSpeeds:
+    """``observe`` a finished request; ``get`` a branch's current estimate (or ``None``)."""
+
+    def __init__(self, weight: float = 0.2, max_age_s: float = 60.0):
+        if not 0.0 < weight <= 1.0:
+            raise ValueError("weight must be in (0, 1]")
+        self._weight = weight
+        self._max_age_s = max_age_s
+        self._speeds: dict[str, ObservedSpeed] = {}
+
+    def observe(
+        self,
+        branch_id: str,
+        ttft_s: float,
+        completion_tokens: int,
+        decode_s: float,
+        now: float | None = None,
+    ) -> ObservedSpeed:
+        """A request on ``branch_id`` got its first token ``ttft_s`` after it arrived,
+        then ``completion_tokens - 1`` more in ``decode_s``."""
+        now = time.monotonic() if now is None else now
+        ttft_ms = max(0.0, 1000.0 * ttft_s)
+        # below two tokens there is no gap between tokens to learn from (-1)
+        tpot_ms = (
+            1000.0 * max(0.0, decode_s) / (completion_tokens - 1) if completion_tokens > 1 else -1.0
+        )
+        old = self.get(branch_id, now)
+        if old is None:
+            new = ObservedSpeed(ttft_ms, tpot_ms if tpot_ms >= 0 else None, 1, now)
+        else:
+            w = self._weight
+            tpot = old.tpot_ms
+            if tpot_ms >= 0:
+                tpot = tpot_ms if tpot is None else tpot + w * (tpot_ms - tpot)
+            new = ObservedSpeed(
+                old.ttft_ms + w * (ttft_ms - old.ttft_ms), tpot, old.samples + 1, now
+            )
+        self._speeds[branch_id] = new
+        return new
+
+    def get(self, branch_id: str, now: float | None = None) -> ObservedSpeed | None:
+        """The estimate, or ``None`` with no observation within ``max_age_s``. The same
+        object until the next observation (routing keeps its record while it holds)."""
+        speed = self._speeds.get(branch_id)
+        if speed is None:
+            return None
+        now = time.monotonic() if now is None else now
+        return speed if now - speed.at <= self._max_age_s else None
+
+    def to_json(self, branch_id: str) -> dict[str, float | int | None] | None:
+        """The branch's estimate for ``/v1/models`` (``None`` while it has none)."""
+        speed = self.get(branch_id)
+        if speed is None:
+            return None
+        return {
+            "ttft_ms": round(speed.ttft_ms, 3),
+            "decode_tps": None if speed.decode_tps is None else round(speed.decode_tps, 1),
+            "samples": speed.samples,
+            "age_s": round(time.monotonic() - speed.at, 3),
+        }
+
+    def forget(self, branch_id: str) -> None:
+        """A branch whose worker or file changed: what it did before says nothing now."""
+        self._speeds.pop(branch_id, None)
+
+
+def observe_finished(
+    speeds: ObservedSpeeds, branch_id: str, trace: object, completion_tokens: int
+) -> ObservedSpeed | None:
+    """Feed ``speeds`` one request that just finished on ``branch_id``, from its trace
+    (``observability.requests.RequestTrace``: ``t0`` its arrival and ``ttft_s`` on the
+    ``perf_counter`` clock). A request that fell back is left out (its first token
+    waited for another branch's failure), as is one without a first token."""
+    ttft_s = getattr(trace, "ttft_s", None)
+    t0 = getattr(trace, "t0", None)
+    if ttft_s is None or t0 is None or getattr(trace, "fallbacks", None):
+        return None
+    decode_s = time.perf_counter() - t0 - ttft_s
+    return speeds.observe(branch_id, ttft_s, completion_tokens, decode_s)

@@ -1,0 +1,150 @@
+"""Deadlines from real speeds: the router learns each branch's end-to-end speed from the
+requests it served, and the deadline filter predicts with it once there is some."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from qrtest import ADMIN_KEY, fake_app, serving
+from quantroute.engines.fake import FakeEngine
+from quantroute.routing.filters import DEADLINE, evaluate
+from quantroute.routing.policy import choose
+from quantroute.routing.records import BranchState, RequestShape
+from quantroute.routing.requirement import parse_requirement
+from quantroute.routing.settings import GiB, RoutingSettings
+from quantroute.routing.speeds import ObservedSpeeds
+from quantroute.types import Precision
+
+S = RoutingSettings()
+SHAPE = RequestShape(prompt_tokens=64, max_tokens=65)
+
+
+def _branch(name: str, **live: object) -> BranchState:
+    # the profile says 10k tok/s decode, 30k prefill: 8.6 ms for SHAPE, engine alone
+    fields: dict[str, object] = {
+        "id": f"m:{name}",
+        "model": "m",
+        "name": name,
+        "precision": Precision(name),
+        "is_reference": name == "f16",
+        "mean_kld": 0.0 if name == "f16" else 0.01,
+        "top1": 1.0 if name == "f16" else 0.95,
+        "prefill_tps": 30_000.0,
+        "decode_tps": 10_000.0,
+        "device_free_bytes": 16 * GiB,
+        "device_total_bytes": 24 * GiB,
+        "parallel": 4,
+    }
+    fields.update(live)
+    return BranchState(**fields)  # type: ignore[arg-type]
+
+
+def _deadline(ms: float) -> object:
+    return parse_requirement("fast", None, str(ms), None, S)
+
+
+def test_the_deadline_filter_predicts_with_observed_speed_once_there_is_some() -> None:
+    fast_by_profile = _branch("q4_k_m")
+    (row,) = evaluate(_deadline(50), SHAPE, [fast_by_profile])  # type: ignore[arg-type]
+    assert not row[0] & DEADLINE and row[3] == pytest.approx(1000 * (64 / 30_000 + 65 / 10_000))
+    # end to end the branch answered in 20 ms to the first token, then 2 ms a token
+    seen = replace(fast_by_profile, observed_ttft_ms=20.0, observed_tpot_ms=2.0)
+    (row,) = evaluate(_deadline(50), SHAPE, [seen])  # type: ignore[arg-type]
+    assert row[0] & DEADLINE and row[3] == pytest.approx(20.0 + 64 * 2.0)
+    (row,) = evaluate(_deadline(200), SHAPE, [seen])  # type: ignore[arg-type]
+    assert not row[0] & DEADLINE
+    # only a first token seen so far (1-token answers): the profile's decode fills in
+    first_only = replace(fast_by_profile, observed_ttft_ms=20.0)
+    (row,) = evaluate(_deadline(50), SHAPE, [first_only])  # type: ignore[arg-type]
+    assert row[3] == pytest.approx(20.0 + 64 * 0.1)
+
+
+def test_a_slow_burst_moves_the_estimate_and_fast_requests_bring_it_back() -> None:
+    speeds = ObservedSpeeds(weight=0.2, max_age_s=60.0)
+    t = 1000.0
+    for _ in range(10):
+        speeds.observe("m:q8_0", 0.010, 65, 0.064, now=t)  # 10 ms + 1 ms a token
+    calm = speeds.get("m:q8_0", now=t)
+    assert calm is not None and calm.samples == 10
+    assert calm.ttft_ms == pytest.approx(10.0) and calm.tpot_ms == pytest.approx(1.0)
+    assert calm.decode_tps == pytest.approx(1000.0)
+    for _ in range(5):  # a burst: 100 ms to the first token, 10 ms a token
+        speeds.observe("m:q8_0", 0.100, 65, 0.640, now=t)
+    slow = speeds.get("m:q8_0", now=t)
+    assert slow is not None and slow.ttft_ms > 60.0 and slow.tpot_ms > 6.0  # type: ignore[operator]
+    for _ in range(25):
+        speeds.observe("m:q8_0", 0.010, 65, 0.064, now=t)
+    back = speeds.get("m:q8_0", now=t)
+    assert back is not None and back.ttft_ms < 11.0 and back.tpot_ms < 1.1  # type: ignore[operator]
+    # a single-token answer teaches the first token only
+    speeds.observe("m:q8_0", 0.010, 1, 0.0, now=t)
+    assert speeds.get("m:q8_0", now=t).tpot_ms == back.tpot_ms  # type: ignore[union-attr]
+    # no request for max_age_s: back to the profile (None), so a shunned branch gets traffic
+    assert speeds.get("m:q8_0", now=t + 61.0) is None
+    speeds.forget("m:q8_0")
+    assert speeds.get("m:q8_0", now=t) is None
+
+
+def test_routing_moves_off_a_branch_a_slow_burst_made_late_and_back_when_it_recovers() -> None:
+    deadline = _deadline(60)
+    speeds = ObservedSpeeds(weight=0.5)
+
+    def states() -> list[BranchState]:
+        out = []
+        for name in ("q8_0", "q4_k_m"):
+            got = speeds.get(f"m:{name}")
+            seen = {} if got is None else {"observed_ttft_ms": got.ttft_ms}
+            if got is not None:
+                seen["observed_tpot_ms"] = got.tpot_ms  # type: ignore[assignment]
+            # q8_0 is the more faithful: it wins while both meet the deadline
+            out.append(_branch(name, **seen))
+        return out
+
+    assert choose("m", deadline, SHAPE, states(), S).primary == "m:q8_0"  # type: ignore[arg-type]
+    for _ in range(4):
+        speeds.observe("m:q8_0", 0.030, 65, 0.320)  # 30 ms + 5 ms a token: 350 ms
+        speeds.observe("m:q4_k_m", 0.005, 65, 0.032)  # 5 ms + 0.5 ms a token: 37 ms
+    late = choose("m", deadline, SHAPE, states(), S)  # type: ignore[arg-type]
+    assert late.branch_ids == ("m:q4_k_m",)
+    why = {e.branch_id: e for e in late.explanations}["m:q8_0"]
+    assert "observed speed" in next(f.reason for f in why.filters if f.name == "deadline")
+    for _ in range(8):
+        speeds.observe("m:q8_0", 0.005, 65, 0.032)
+    assert choose("m", deadline, SHAPE, states(), S).primary == "m:q8_0"  # type: ignore[arg-type]
+
+
+async def test_a_served_request_feeds_the_branch_speed_shown_in_models_and_metrics() -> None:
+    app = fake_app()
+    async with serving(app) as (client, gateway):
+        engine = gateway.routes.current.models["tiny-llama"].branches[2].engine
+        assert isinstance(engine, FakeEngine)
+        before = (await client.get("/v1/models")).json()["data"][0]["branches"]
+        assert all(b["observed_speed"] is None for b in before)
+        t0 = time.monotonic()
+        r = await client.post(
+            "/v1/completions",
+            json={"model": "tiny-llama:q4_k_m", "prompt": "hello", "max_tokens": 8},
+        )
+        assert r.status_code == 200, r.text
+        elapsed_ms = 1000 * (time.monotonic() - t0)
+        entry = {
+            b["branch"]: b for b in (await client.get("/v1/models")).json()["data"][0]["branches"]
+        }
+        seen = entry["q4_k_m"]["observed_speed"]
+        assert seen["samples"] == 1 and 0 < seen["ttft_ms"] <= elapsed_ms
+        assert seen["decode_tps"] is None or seen["decode_tps"] > 0
+        assert entry["f16"]["observed_speed"] is None
+        states = {s.name: s for s in gateway.states.read("tiny-llama")}
+        assert states["q4_k_m"].observed_ttft_ms == pytest.approx(seen["ttft_ms"], abs=1e-3)
+        assert states["f16"].observed_ttft_ms is None
+        metrics = await client.get("/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"})
+        assert metrics.status_code == 200
+        lines = [
+            line
+            for line in metrics.text.splitlines()
+            if line.startswith("quantroute_branch_observed_ttft_seconds{")
+        ]
+        assert len(lines) == 1 and 'branch="q4_k_m"' in lines[0]
