@@ -200,6 +200,15 @@ async def devices(c: httpx.AsyncClient) -> dict[str, Any]:
     return body
 
 
+async def observed(c: httpx.AsyncClient) -> dict[str, Any]:
+    """The router's observed end-to-end speed of each branch (``observed_speed`` in
+    ``/v1/models``: what its deadline filter predicts with), ``None`` where it has none."""
+    resp = await c.get("/v1/models")
+    resp.raise_for_status()
+    model = next(m for m in resp.json()["data"] if m["id"] == MODEL)
+    return {b["id"]: b.get("observed_speed") for b in model["branches"]}
+
+
 def loaded(snapshot: dict[str, Any]) -> list[str]:
     return [b for b, v in snapshot["branches"].items() if v.get("ready")]
 
@@ -349,6 +358,7 @@ async def pressure_schedule(
                 "pressure_bytes": pressure,
                 "free_for_routing_gib": mem["free_for_routing_bytes"] / GIB,
                 "loaded_at_end": loaded(snap),
+                "observed_at_end": await observed(c),
             }
         )
         log.info(
@@ -513,6 +523,25 @@ def report(
         "Loaded at the end of each phase:\n\n"
         + rep.table(("Policy", *labels), loaded_rows, markdown=md)
     )
+    qr_run = next((r for r in runs if r.policy == QUANTROUTE), None)
+    if qr_run is not None and any("observed_at_end" in ph for ph in qr_run.phases):
+        seen_rows = [
+            [
+                b.split(":")[1],
+                *(
+                    "-"
+                    if not (o := ph.get("observed_at_end", {}).get(b))
+                    else f"{o['ttft_ms']:.1f} / {o['decode_tps'] or 0:.0f}"
+                    for ph in qr_run.phases
+                ),
+            ]
+            for b in sorted(qr_run.phases[0].get("observed_at_end", {}))
+        ]
+        sections.append(
+            "The router's observed speed at the end of each phase (quantroute's run; TTFT ms / "
+            "decode tok/s, what its deadline filter predicts with):\n\n"
+            + rep.table(("Branch", *labels), seen_rows, markdown=md)
+        )
     print("\n\n" + "\n\n".join(sections) + "\n")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
