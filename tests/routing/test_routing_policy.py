@@ -492,3 +492,38 @@ def test_a_zero_deadline_built_by_hand_does_not_divide_by_zero() -> None:
     decision = choose("tiny-llama", requirement, RequestShape(0, 0), demo(), S)
     assert decision.primary == F16
     assert decision.explanations[0].terms[3].value == 0.0
+
+
+def test_a_reused_ranking_equals_one_computed_afresh() -> None:
+    """``choose`` reuses its ranking for the same states tuple, requirement and size; over
+    random states, loads, deadlines and sizes it must give what a fresh list gives."""
+    import random
+
+    rng = random.Random(15)
+    tiers = [None, "exact", "high", "balanced", "fast"]
+    shapes = [RequestShape(p, m, pre) for p in (16, 512) for m in (8, 256) for pre in ("", "a")]
+    for _ in range(60):
+        states = tuple(
+            branch(
+                name,
+                rng.choice([1 * GiB, 6 * GiB, 16 * GiB]),
+                ready=rng.random() > 0.1,
+                running=rng.randrange(5),
+                queued=rng.randrange(3),
+                recent_rate=rng.choice([0.0, 0.5, 40.0]),
+                observed_ttft_ms=rng.choice([None, 5.0, 80.0]),
+                observed_tpot_ms=rng.choice([None, 0.5, 4.0]),
+            )
+            for name in ("f16", "q8_0", "q4_k_m")
+        )
+        for _ in range(3):
+            requirement = req(rng.choice(tiers), rng.choice([None, "40", "400"]))
+            shape = rng.choice(shapes)
+            outcomes = []
+            for branches in (states, states, list(states)):  # fresh, reused, never reused
+                try:
+                    d = choose(MODEL, requirement, shape, branches, S)
+                    outcomes.append((d.branch_ids, d.reason, d.wait_s))
+                except ServiceUnavailableError as exc:
+                    outcomes.append(("503", str(exc), exc.retry_after_s))
+            assert outcomes[0] == outcomes[1] == outcomes[2]
