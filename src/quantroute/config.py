@@ -557,6 +557,13 @@ class SpeedSettings(_Frozen):
         description="A branch's observed speed is dropped after this long without a finished "
         "request; the deadline filter then reads the profile again.",
     )
+    margin_deviations: float = Field(
+        default=0.0,
+        ge=0,
+        description="With a deadline, branches whose observed prediction plus this many "
+        "deviations still meets it go first; the others (in time only on average) follow "
+        "as fallbacks. 0 (the default): no margin; 2 is a TCP-like choice.",
+    )
 
 
 class RoutingSettings(_Frozen):

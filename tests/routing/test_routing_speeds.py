@@ -148,3 +148,51 @@ async def test_a_served_request_feeds_the_branch_speed_shown_in_models_and_metri
             if line.startswith("quantroute_branch_observed_ttft_seconds{")
         ]
         assert len(lines) == 1 and 'branch="q4_k_m"' in lines[0]
+
+
+def test_with_a_deadline_a_branch_in_time_only_on_average_gives_way_to_one_with_a_margin() -> None:
+    # q8_0 (the more faithful: first by score) is in time on average but spreads widely;
+    # q4_k_m is in time with room to spare
+    shaky = _branch(
+        "q8_0",
+        observed_ttft_ms=10.0,
+        observed_tpot_ms=0.5,
+        observed_ttft_dev_ms=5.0,
+        observed_tpot_dev_ms=0.3,
+    )  # predicted 42 ms, at two deviations 10 + 38.4 more: 90 ms
+    steady = _branch(
+        "q4_k_m",
+        observed_ttft_ms=8.0,
+        observed_tpot_ms=0.4,
+        observed_ttft_dev_ms=1.0,
+        observed_tpot_dev_ms=0.1,
+    )  # predicted 33.6 ms, at two deviations 48.4 ms
+    states = (shaky, steady)
+    margin = S.model_copy(update={"speeds": S.speeds.model_copy(update={"margin_deviations": 2})})
+    d = choose("m", _deadline(60), SHAPE, states, margin)  # type: ignore[arg-type]
+    assert d.branch_ids == ("m:q4_k_m", "m:q8_0") and d.reason == "shifted:margin"
+    assert choose("m", _deadline(60), SHAPE, list(states), margin).branch_ids == d.branch_ids  # type: ignore[arg-type]
+    # no margin asked, a deadline both meet with it, or none: the score's order
+    no_margin = S.model_copy(
+        update={"speeds": S.speeds.model_copy(update={"margin_deviations": 0})}
+    )
+    assert choose("m", _deadline(60), SHAPE, states, no_margin).primary == "m:q8_0"  # type: ignore[arg-type]
+    assert choose("m", _deadline(120), SHAPE, states, S).primary == "m:q8_0"  # type: ignore[arg-type]
+    assert choose("m", _deadline(40), SHAPE, states, S).primary == "m:q4_k_m"  # type: ignore[arg-type]
+    tight = choose("m", _deadline(45), SHAPE, states, S)  # type: ignore[arg-type]
+    assert tight.branch_ids == ("m:q8_0", "m:q4_k_m")  # neither has the margin: by score
+
+
+def test_the_spread_is_learned_and_shrinks_when_requests_steady() -> None:
+    speeds = ObservedSpeeds(weight=0.2)
+    speeds.observe("b", 0.010, 65, 0.064, now=0.0)
+    first = speeds.get("b", now=0.0)
+    assert first is not None and first.ttft_dev_ms == pytest.approx(5.0)
+    for i in range(40):
+        speeds.observe("b", 0.010 if i % 2 else 0.030, 65, 0.064, now=0.0)
+    wide = speeds.get("b", now=0.0)
+    assert wide is not None and wide.ttft_dev_ms > 7.0
+    for _ in range(40):
+        speeds.observe("b", 0.020, 65, 0.064, now=0.0)
+    narrow = speeds.get("b", now=0.0)
+    assert narrow is not None and narrow.ttft_dev_ms < 0.2 and narrow.tpot_dev_ms < 0.01

@@ -21,6 +21,11 @@ The steps:
 4. **Fallbacks**: every other feasible branch, by score. Never a branch that
    fails the quality bound.
 
+With a deadline and ``routing.speeds.margin_deviations`` set (off by default),
+branches that meet it with a margin (their observed speed plus that many
+deviations, :mod:`~quantroute.routing.speeds`) rank before those in time only on
+average, which follow as fallbacks; affinity breaks ties only among the former.
+
 When nothing is feasible, the tier decides (``TierSettings.on_infeasible``):
 
 ==============================  ==================================================================
@@ -44,7 +49,8 @@ The decision's ``reason`` (header-safe): ``best-fit:<regime>`` (the primary
 has the best memory-regime fit; regime of its device), ``shifted:<term>`` (a
 branch with a better fit lost; ``term`` is what gained most, e.g. ``load``),
 ``only-feasible``, ``near-tie`` (affinity preferred a branch with a slightly
-lower fit), each with ``+affinity`` when prefix affinity broke a near tie;
+lower fit), ``shifted:margin`` (a better-scored branch meets the deadline only
+on average), each with ``+affinity`` when prefix affinity broke a near tie;
 ``best-effort``; ``wait:reference``; ``pinned`` (:func:`pinned`: the client named
 the branch, and no policy ran). Per-branch :class:`Explanation`\\ s
 are built from the decision's numbers only when read.
@@ -266,7 +272,7 @@ def choose(
     size = (requirement, request.prompt_tokens, request.max_tokens)
     memo = _ranked.get(size) if type(branches) is tuple else None
     if memo is not None and memo[0] is branches and memo[1] is settings:
-        _, _, rows, feasible, scored, ranking = memo
+        _, _, rows, feasible, scored, ranking, safe = memo
     else:
         rows = filters.evaluate(requirement, request, branches)
         feasible = [i for i, row in enumerate(rows) if not row[0]]
@@ -275,23 +281,26 @@ def choose(
         scored = score_branches(requirement, branches, rows, feasible, settings)
         n = len(feasible)
         if n == 1:
-            ranking = (0,)
+            ranking, safe = (0,), 1
         else:  # best score first; equal scores by id, so the input order never matters
             ids = [branches[i].id for i in feasible]
             ranking = tuple(
                 r[2] for r in sorted(zip([-s[0] for s in scored], ids, range(n), strict=True))
             )
+            ranking, safe = _by_margin(
+                requirement, request, branches, rows, feasible, ranking, settings
+            )
         if type(branches) is tuple:
             if len(_ranked) >= _RANKED_MAX:
                 _ranked.clear()
-            _ranked[size] = (branches, settings, rows, feasible, scored, ranking)
+            _ranked[size] = (branches, settings, rows, feasible, scored, ranking, safe)
     order = list(ranking)
     n = len(order)
 
     tied = 1
     if n > 1 and request.prefix:
         floor = scored[order[0]][0] - settings.tie_epsilon
-        for j in order[1 : settings.top_k]:
+        for j in order[1 : min(settings.top_k, safe)]:
             if scored[j][0] < floor:
                 break
             tied += 1
@@ -303,10 +312,49 @@ def choose(
 
     chosen = [feasible[j] for j in order]
     reason = _reason(order, scored, branches[chosen[0]], settings)
+    if safe < n and scored[order[0]][0] < max(s[0] for s in scored):
+        reason = "shifted:margin"  # a better score is in time only on average
     if tied > 1:
         reason += "+affinity"
     trace = _Trace(requirement, request, branches, rows, feasible, scored, chosen, settings)
     return Decision(model, tuple([branches[i].id for i in chosen]), reason, None, False, trace)
+
+
+def _by_margin(
+    requirement: Requirement,
+    request: RequestShape,
+    branches: Sequence[BranchState],
+    rows: Sequence[Row],
+    feasible: Sequence[int],
+    ranking: tuple[int, ...],
+    settings: RoutingSettings,
+) -> tuple[tuple[int, ...], int]:
+    """``ranking`` with the branches that meet the deadline with a margin first, and how
+    many those are (all of them without a deadline or a margin).
+
+    The deadline filter predicts with the observed mean; a request whose deadline sits
+    near it is a coin toss there. When some feasible branches still meet the deadline at
+    ``routing.speeds.margin_deviations`` deviations above their observed speed, they go
+    first, by score, and the ones in time only on average follow as fallbacks (never
+    dropped: when none has the margin, the order is the score's)."""
+    deadline = requirement.deadline_ms
+    k = settings.speeds.margin_deviations
+    if deadline is None or k <= 0.0:
+        return ranking, len(ranking)
+    later = max(0, request.max_tokens - 1)
+    risky = set()
+    for j in ranking:
+        b = branches[feasible[j]]
+        predicted = rows[feasible[j]][3]
+        if b.observed_ttft_ms is None or predicted is None:
+            continue
+        spread = k * (b.observed_ttft_dev_ms + later * b.observed_tpot_dev_ms)
+        if predicted + spread > deadline:
+            risky.add(j)
+    if not risky or len(risky) == len(ranking):
+        return ranking, len(ranking)
+    first = tuple(j for j in ranking if j not in risky)
+    return first + tuple(j for j in ranking if j in risky), len(first)
 
 
 def explain(

@@ -36,7 +36,8 @@ class BranchState:
     holds a slot; ``None`` to estimate it from the profile), ``observed_ttft_ms``
     / ``observed_tpot_ms`` (time to first token and per output token after it, end
     to end, as recent requests on the branch saw them: ``routing.speeds``; ``None``
-    before there are observations, and the deadline filter reads the profile).
+    before there are observations, and the deadline filter reads the profile), and
+    their spread ``observed_*_dev_ms`` (the policy's deadline margin).
     """
 
     id: str
@@ -64,6 +65,8 @@ class BranchState:
     mean_service_ms: float | None = None
     observed_ttft_ms: float | None = None
     observed_tpot_ms: float | None = None
+    observed_ttft_dev_ms: float = 0.0
+    observed_tpot_dev_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

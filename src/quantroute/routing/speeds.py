@@ -27,12 +27,15 @@ __all__ = ["ObservedSpeed", "ObservedSpeeds", "observe_finished"]
 class ObservedSpeed:
     """One branch's observed speed: ``ttft_ms`` (arrival to first token) and ``tpot_ms``
     (time per output token after the first; ``None`` until a request had two tokens),
-    over ``samples`` requests, the last at ``at`` (monotonic seconds)."""
+    over ``samples`` requests, the last at ``at`` (monotonic seconds); ``*_dev_ms``
+    their spread (weighted mean absolute deviation, as TCP's retransmit timer keeps)."""
 
     ttft_ms: float
     tpot_ms: float | None
     samples: int
     at: float
+    ttft_dev_ms: float = 0.0  # mean absolute deviation of each (Jacobson's RTT estimator)
+    tpot_dev_ms: float = 0.0
 
     @property
     def decode_tps(self) -> float | None:
@@ -67,15 +70,24 @@ class ObservedSpeeds:
             1000.0 * max(0.0, decode_s) / (completion_tokens - 1) if completion_tokens > 1 else -1.0
         )
         old = self.get(branch_id, now)
-        if old is None:
-            new = ObservedSpeed(ttft_ms, tpot_ms if tpot_ms >= 0 else None, 1, now)
+        if old is None:  # the spread starts at half the first sample, as Jacobson's does
+            tpot = tpot_ms if tpot_ms >= 0 else None
+            new = ObservedSpeed(ttft_ms, tpot, 1, now, ttft_ms / 2, (tpot or 0.0) / 2)
         else:
             w = self._weight
-            tpot = old.tpot_ms
-            if tpot_ms >= 0:
-                tpot = tpot_ms if tpot is None else tpot + w * (tpot_ms - tpot)
+            tpot, tpot_dev = old.tpot_ms, old.tpot_dev_ms
+            if tpot_ms >= 0 and tpot is None:
+                tpot, tpot_dev = tpot_ms, tpot_ms / 2
+            elif tpot_ms >= 0 and tpot is not None:
+                tpot_dev += w * (abs(tpot_ms - tpot) - tpot_dev)
+                tpot += w * (tpot_ms - tpot)
             new = ObservedSpeed(
-                old.ttft_ms + w * (ttft_ms - old.ttft_ms), tpot, old.samples + 1, now
+                old.ttft_ms + w * (ttft_ms - old.ttft_ms),
+                tpot,
+                old.samples + 1,
+                now,
+                old.ttft_dev_ms + w * (abs(ttft_ms - old.ttft_ms) - old.ttft_dev_ms),
+                tpot_dev,
             )
         self._speeds[branch_id] = new
         return new
@@ -97,6 +109,7 @@ class ObservedSpeeds:
         return {
             "ttft_ms": round(speed.ttft_ms, 3),
             "decode_tps": None if speed.decode_tps is None else round(speed.decode_tps, 1),
+            "ttft_dev_ms": round(speed.ttft_dev_ms, 3),
             "samples": speed.samples,
             "age_s": round(time.monotonic() - speed.at, 3),
         }

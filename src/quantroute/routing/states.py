@@ -287,6 +287,8 @@ def _state(
         heat=heat,
         observed_ttft_ms=speed.ttft_ms if speed is not None else None,
         observed_tpot_ms=speed.tpot_ms if speed is not None else None,
+        observed_ttft_dev_ms=speed.ttft_dev_ms if speed is not None else 0.0,
+        observed_tpot_dev_ms=speed.tpot_dev_ms if speed is not None else 0.0,
     )
 
 
