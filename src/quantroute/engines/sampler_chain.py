@@ -29,17 +29,21 @@ drew. Without a seed, llama.cpp seeds it from the system.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import llama_cpp as lc
+import numpy as np
+import numpy.typing as npt
 
 from quantroute.engines.sampling import GREEDY_BELOW, Penalties
 
 __all__ = ["SamplerChain", "chain_seed"]
 
 _NO_SEED = lc.LLAMA_DEFAULT_SEED  # llama.cpp: seed from the system
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data
 
 
 def chain_seed(seed: int | None) -> int:
@@ -92,7 +96,8 @@ class SamplerChain:
         if banned:
             self._ban_at = lc.llama_sampler_chain_n(self._chain)
             self._add(_logit_bias(n_vocab, banned))
-        if not temperature >= GREEDY_BELOW:  # nan too: greedy, as sampling.sample does
+        self.greedy = not temperature >= GREEDY_BELOW  # nan too, as sampling.sample does
+        if self.greedy:
             self._add(lc.llama_sampler_init_greedy())
             return
         self._add(lc.llama_sampler_init_temp(temperature))
@@ -116,6 +121,38 @@ class SamplerChain:
         chain accepts it (the penalties count it)."""
         return int(lc.llama_sampler_sample(self._chain, ctx, index))
 
+    def accept(self, token: int) -> None:
+        """Count ``token`` as sampled, as :meth:`sample` and :meth:`draw` do themselves."""
+        lc.llama_sampler_accept(self._chain, token)
+
+    def draw(self, logits: npt.ArrayLike) -> int:
+        """One token from a row of logits given here (``[V]``), accepted: :meth:`sample`
+        without a model, for tests and benchmarks."""
+        _data, arr = _token_data(logits)  # _data: the memory arr points at
+        lc.llama_sampler_apply(self._chain, ctypes.byref(arr))
+        token = int(_view(arr)["id"][arr.selected])
+        self.accept(token)
+        return token
+
+    def distribution(self, logits: npt.ArrayLike) -> npt.NDArray[np.float64]:
+        """The probabilities the chain draws from for this row (``[V]``, zero outside the
+        kept tokens): every sampler but the last (the draw) applied, then the softmax.
+        Greedy is all mass on the token it picks."""
+        data, arr = _token_data(logits)
+        out = np.zeros(data.size)
+        n = lc.llama_sampler_chain_n(self._chain)
+        for i in range(n - 1):
+            lc.llama_sampler_apply(lc.llama_sampler_chain_get(self._chain, i), ctypes.byref(arr))
+        kept = _view(arr)
+        values = kept["logit"].astype(np.float64)
+        if self.greedy:
+            out[kept["id"][int(np.argmax(values))]] = 1.0
+            return out
+        with np.errstate(over="ignore", under="ignore"):
+            weights = np.exp(values - values.max())
+        out[kept["id"]] = weights / weights.sum()
+        return out
+
     def lift_ban(self) -> None:
         """``min_tokens`` tokens are out: end-of-generation may be sampled again."""
         if self._ban_at >= 0:
@@ -127,6 +164,26 @@ class SamplerChain:
         if self._chain:
             lc.llama_sampler_free(self._chain)
             self._chain = None
+
+
+def _token_data(logits: npt.ArrayLike) -> tuple[npt.NDArray[Any], Any]:
+    row = np.asarray(logits, dtype=np.float32).reshape(-1)
+    data = np.zeros(row.size, dtype=_TOKEN_DATA)
+    data["id"] = np.arange(row.size, dtype=np.int32)
+    data["logit"] = row
+    arr = lc.llama_token_data_array(
+        data=data.ctypes.data_as(lc.llama_token_data_p), size=row.size, selected=-1, sorted=False
+    )
+    return data, arr  # `data` owns the memory `arr` points at
+
+
+def _view(arr: Any) -> npt.NDArray[Any]:
+    """The candidates a sampler left in ``arr`` (it may have moved and cut them)."""
+    size = int(arr.size)
+    raw = (ctypes.c_char * (size * _TOKEN_DATA.itemsize)).from_address(
+        ctypes.cast(arr.data, ctypes.c_void_p).value or 0
+    )
+    return np.frombuffer(memoryview(raw), dtype=_TOKEN_DATA).copy()
 
 
 def _logit_bias(n_vocab: int, bias: Mapping[int, float]) -> Any:
