@@ -1,6 +1,7 @@
-"""llama.cpp's sampler chain in the real worker, on the demo models: greedy text equal
-to the numpy sampler's, seeded text that repeats, every chain freed, and one ``toks``
-line per step carrying every sequence's token."""
+"""llama.cpp's sampler chain in the real worker, on the demo models: greedy text (the
+chain's, and the in-place argmax of a greedy request with only biases) equal to the
+numpy sampler's, seeded text that repeats, every chain freed, and one ``toks`` line
+per step carrying every sequence's token."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from quantroute.engines.supervisor import RestartPolicy
 pytestmark = pytest.mark.slow
 
 PROMPT = "import os\n\ndef "
-GREEDY_CASES: list[dict[str, object]] = [
+GREEDY_CASES: list[dict[str, object]] = [  # penalties or logprobs: the chain; else argmax
     {},
     {"ignore_eos": True, "max_tokens": 96},
     {"repetition_penalty": 1.3},
@@ -130,6 +131,7 @@ def test_every_sequences_chain_is_freed_however_it_ends() -> None:
     worker.handle(_gen("grammar", 8, grammar='root ::= "a"'))  # numpy's: no chain
     worker.handle(_gen("bad-bias", 8, logit_bias=[[10**9, 1.0]]))  # refused before a chain
     worker.handle(_gen("too-long", 500))  # refused before a chain
+    worker.handle(_gen("greedy", 4, temperature=0.0))  # argmax: no chain
     assert worker.chains_open == 4
     steps(6)  # "done" finished and "next" took its slot; "queued" and "grammar" wait
     assert set(worker.active) == {"active", "next"} and worker.chains_open == 3

@@ -23,11 +23,31 @@ Events::
 
     {"ev": "ready", "info": {...EngineInfo...}}
     {"ev": "start", "id": "r1", "pt": 12, "c": 8}   (when it gets a slot; c: reused tokens)
-    {"ev": "tok", "id": "r1", "t": "def", "tok": 101, "lp": -0.3, "top": [[id, text, lp]]}
+    {"ev": "toks", "b": ["r1", "def", 101, "r2", " x", 7]}   (one step's plain tokens)
+    {"ev": "tok", "id": "r1", "t": "def", "tok": 101, "lp": -0.3, "p": "def", "top": [[7, "x", -2]]}
     {"ev": "fin", "id": "r1", "reason": "stop", "pt": 12, "ct": 40, "t": "", "tm": [ns, ns, ns]}
     {"ev": "logits", "id": "r2", "path": "...", "shape": [2, 354]}
     {"ev": "scores", "id": "r3", "kld": [0.0012, 0.0], "top1": [true, true]}
     {"ev": "err", "id": "r1", "code": "context_length_exceeded", "msg": "...", ...}
+
+A step's tokens go out together: one ``toks`` line per decode step carries every
+sequence's new token as a flat run of ``id, text, token`` triples (``text`` is what
+the token adds to the output after stop-sequence hold-back; it may be empty), in
+batch order; a token with logprobs has its own ``tok`` line (``lp``, ``p``: the
+token's own text, ``top``). A sequence's events keep their order: its tokens of a
+step precede its ``fin``. The lines of a step are written with one ``write``.
+
+Sampling (``engines/sampler_chain.py``): each ``gen`` gets its own llama.cpp sampler
+chain when admitted (logit bias and ``ignore_eos``, the penalties, the ``min_tokens``
+ban, then greedy or temperature / top-k / top-p / min-p and a draw seeded by
+``seed``), freed when the sequence ends however it ends; ``llama_sampler_sample``
+reads the row of logits inside llama.cpp, so a plain request copies nothing
+vocabulary-sized into Python. Only two cases read the row in numpy
+(``engines/sampling.py``): a request with logprobs (the chain picks the token; the
+row, biased and penalized the same way, gives the log-probabilities) and one with a
+grammar (``engines/constrained.py``: the closing path needs the masked row).
+``--sampler numpy`` samples every request in numpy, as before the chain: a reference
+for tests (greedy text is the same; seeded text is not, the generators differ).
 
 ``logits`` teacher-forces ``prompt + tokens`` and writes the raw float32
 logits that predicted each of ``tokens`` (``[T, V]``, row-major, no header) to
@@ -103,7 +123,7 @@ import numpy as np
 from quantroute.engines.constrained import ClosingOrder, Grammar, GrammarError
 from quantroute.engines.prompt_cache import PromptCache
 from quantroute.engines.sampler_chain import SamplerChain
-from quantroute.engines.sampling import Penalties, choice_of, penalize, sample
+from quantroute.engines.sampling import GREEDY_BELOW, Penalties, choice_of, penalize, sample
 from quantroute.engines.scoring import Comparison, LogitsDump, ScoringJob
 from quantroute.engines.stops import StopMatcher
 
@@ -138,6 +158,7 @@ class Sequence:
     seen: np.ndarray[Any, Any] | None = None  # [V] prompt or generated, with penalties
     grammar: Grammar | None = None  # response_format / a forced tool call
     chain: SamplerChain | None = None  # llama.cpp's sampling, for every gen but a grammar's
+    argmax: bool = False  # greedy, biases at most: the argmax of llama.cpp's row, in place
     deadline: float | None = None  # time.monotonic(); past it the sequence finishes "deadline"
     paused: bool = False  # its reader is slow: keep the slot, decode nothing until resumed
     first_scored: int = -1  # >= 0: a scoring job; its rows from this position on go to `job`
@@ -404,7 +425,12 @@ class Worker:
         # for the requests that need it; everyone else samples in llama.cpp's chain.
         chained = not grammar and self.sampler == "chain"
         wants_row = not chained or seq.logprobs or seq.n_top > 0
-        if bias and wants_row:
+        # Greedy with nothing but biases needs no chain: llama.cpp's greedy sampler first
+        # copies the row into a V-long candidate array (80 µs at 32k tokens, measured),
+        # numpy's argmax over the row where it lies takes 18. Same token: the first best.
+        seq.argmax = chained and not wants_row and not seq.penalties.active
+        seq.argmax = seq.argmax and not seq.temperature >= GREEDY_BELOW
+        if bias and (wants_row or seq.argmax):
             seq.bias_ids = np.array(list(bias), dtype=np.int64)
             seq.bias_values = np.array(list(bias.values()), dtype=np.float32)
         if seq.penalties.active and wants_row:
@@ -414,7 +440,7 @@ class Worker:
         if grammar:
             if not self.admit_grammar(seq, str(grammar)):
                 return
-        elif chained:
+        elif chained and not seq.argmax:
             seq.chain = SamplerChain(
                 n_vocab=self.n_vocab,
                 temperature=seq.temperature,
@@ -698,8 +724,10 @@ class Worker:
                 )
                 self.release(seq)
             return
+        argmax = any(seq.argmax for _, seq in outputs)
+        rows = self._output_rows(len(outputs) + len(scoring)) if argmax else None
         for index, seq in outputs:
-            self._advance(seq, index)
+            self._advance(seq, index, rows)
         failed: set[str] = set()
         for index, seq in scoring:
             if seq.rid in failed or seq.job is None:
@@ -737,9 +765,30 @@ class Worker:
             logits[self.eog_tokens] = -np.inf
         return logits
 
-    def _advance(self, seq: Sequence, index: int) -> None:
+    def _output_rows(self, n: int) -> tuple[Any, int]:
+        """This step's ``n`` rows of logits (one per token that asked for them) where
+        llama.cpp holds them, as one view, and the address of the first."""
+        base = lc.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(base, shape=(n, self.n_vocab)), ctypes.addressof(base.contents)
+
+    def _argmax(self, seq: Sequence, index: int, rows: tuple[Any, int]) -> int:
+        """A greedy sequence's token: its biases and ``min_tokens`` ban written into its row
+        (llama.cpp's buffer, read by nothing else before the next decode), then the first
+        highest logit, as llama.cpp's greedy sampler picks it."""
+        view, base = rows
+        ptr = lc.llama_get_logits_ith(self.ctx, index)
+        row = view[(ctypes.addressof(ptr.contents) - base) // (4 * self.n_vocab)]  # [V]
+        if seq.bias_ids is not None:
+            row[seq.bias_ids] += seq.bias_values
+        if seq.generated < seq.min_tokens and self.eog_tokens and not seq.ignore_eos:
+            row[self.eog_tokens] = -np.inf
+        return int(row.argmax())
+
+    def _advance(self, seq: Sequence, index: int, rows: tuple[Any, int] | None = None) -> None:
         choice = None
-        if seq.chain is not None:
+        if seq.argmax and rows is not None:
+            token = self._argmax(seq, index, rows)
+        elif seq.chain is not None:
             token = seq.chain.sample(self.ctx, index)  # the row stays in llama.cpp
             if seq.logprobs or seq.n_top:
                 row = self._row(seq, index)
@@ -772,7 +821,7 @@ class Worker:
             seq.seen[token] = True
         seq.generated += 1
         if seq.generated == seq.min_tokens and seq.chain is not None:
-            seq.chain.lift_ban()
+            seq.chain.lift_ban()  # an argmax sequence checks the count itself
         seq.out.append(token)
         text = seq.stops.feed(seq.decoder.decode(self.piece_bytes(token)))
         if choice is None or (choice.logprob is None and not choice.top):
