@@ -51,6 +51,7 @@ from quantroute.engines.base import (
     TokenEvent,
     TokenScores,
 )
+from quantroute.engines.exchange_timer import ExchangeTimer
 from quantroute.engines.exits import describe_exit
 from quantroute.engines.supervisor import RestartPolicy, WorkerSupervisor
 from quantroute.errors import (
@@ -440,27 +441,21 @@ class LlamaCppEngine:
         self._paused.discard(rid)
         done = False
         loop = asyncio.get_running_loop()
-        deadline = None if timeout_s is None else loop.time() + timeout_s
-
-        def wait_s() -> float | None:  # the longest wait for the next event
-            waits = [] if idle_timeout_s is None else [idle_timeout_s]
-            if deadline is not None:
-                waits.append(max(0.0, deadline - loop.time()))
-            return min(waits) if waits else None
-
+        timer = ExchangeTimer(
+            loop, idle_timeout_s, timeout_s, lambda: stream.put_nowait(TimeoutError())
+        )
         try:
-            await self._send(command, wait_s())
+            await self._send(command, timer.wait_s())
             while True:
-                if not stream.empty() and (deadline is None or loop.time() < deadline):
-                    item = stream.get_nowait()  # the common case under load: no timer
+                if stream.empty():
+                    timer.waiting()
+                    item = await stream.get()
+                    timer.got()
                 else:
-                    wait = wait_s()
-                    try:
-                        async with asyncio.timeout(wait):
-                            item = await stream.get()
-                    except TimeoutError as exc:
-                        stuck_after_s = idle_timeout_s or timeout_s or 0.0
-                        raise self._timed_out(proc, wait or 0.0, stuck_after_s) from exc
+                    item = stream.get_nowait()  # the common case under load
+                if timer.expired is not None:
+                    stuck_after_s = idle_timeout_s or timeout_s or 0.0
+                    raise self._timed_out(proc, timer.expired, stuck_after_s)
                 if rid in self._paused and stream.qsize() <= STREAM_LOW_WATER:
                     self._paused.discard(rid)
                     self._post({"op": "resume", "id": rid})
@@ -479,6 +474,7 @@ class LlamaCppEngine:
                 if done:
                     return
         finally:
+            timer.cancel()
             self._streams.pop(rid, None)
             self._paused.discard(rid)
             if not done:
