@@ -302,10 +302,17 @@ class WorkerCeiling:
     async def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         async for line in self.proc.stdout:
-            event = json.loads(line)
+            event, at = json.loads(line), time.perf_counter()
+            if event.get("ev") == "toks":  # one step's tokens: id, text, token, ...
+                batch = event["b"]
+                for i in range(0, len(batch), 3):
+                    waiter = self.waiters.get(batch[i])
+                    if waiter is not None:
+                        waiter.put_nowait({"ev": "tok", "t": batch[i + 1], "_at": at})
+                continue
             waiter = self.waiters.get(event.get("id", ""))
             if waiter is not None:
-                waiter.put_nowait(event | {"_at": time.perf_counter()})
+                waiter.put_nowait(event | {"_at": at})
 
     async def close(self) -> None:
         if self.proc is None:

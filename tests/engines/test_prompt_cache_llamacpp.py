@@ -127,8 +127,12 @@ async def test_sampled_logprobs_grammar_and_n_are_unchanged(
     on, off = engines
     await _run(on, PREFIX)  # something to reuse
     grammar = schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}})
+    # A seeded draw repeats only up to llama.cpp's batch-shape numerics (below): where two
+    # candidates are within ~0.02 in log-probability their order can swap, and the same
+    # draw then lands on the other one. Seed 7 meets such a near-tie at its 15th token with
+    # llama.cpp's sampler chain (1 seed in 20 does, 0-19 tried); seed 8 does not.
     cases: list[dict[str, object]] = [
-        {"temperature": 0.9, "top_p": 0.9, "seed": 7},
+        {"temperature": 0.9, "top_p": 0.9, "seed": 8},
         {"logprobs": True, "top_logprobs": 3},
         {"grammar": grammar, "max_tokens": 24},
         {"repetition_penalty": 1.3, "presence_penalty": 0.5},

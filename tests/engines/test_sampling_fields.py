@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from quantroute.engines.sampler_chain import SamplerChain, chain_seed
 from quantroute.engines.sampling import Penalties, distribution, penalize, sample
 
 LOGITS = [2.0, -1.0, 0.5, 3.0, -np.inf, 0.0, 1.5, -2.5]
@@ -105,3 +106,120 @@ def test_sampling_draws_from_that_distribution() -> None:
     freq = np.bincount(draws, minlength=len(LOGITS)) / len(draws)
     assert np.all(freq[want == 0] == 0)
     assert np.allclose(freq, want, atol=0.015)
+
+
+# -- llama.cpp's sampler chain (engines/sampler_chain.py), against the same references --
+
+
+NO_PENALTIES = Penalties()
+
+
+def _chain(
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    penalties: Penalties = NO_PENALTIES,
+    bias: dict[int, float] | None = None,
+    seed: int | None = 0,
+    ban: tuple[int, ...] = (),
+) -> SamplerChain:
+    chain = SamplerChain(
+        n_vocab=len(LOGITS),
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=seed,
+        bias=bias or {},
+        penalties=penalties,
+        prompt=PROMPT,
+        window=64,
+        ban=ban,
+    )
+    for token in GENERATED:  # what the worker's llama_sampler_sample accepts
+        chain.accept(token)
+    return chain
+
+
+def _softmax(row: list[float]) -> np.ndarray:
+    x = np.array(row, dtype=np.float64)
+    w = np.exp(x - x.max())
+    return w / w.sum()
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [Penalties(presence=0.7), Penalties(frequency=0.4), Penalties(presence=-1.0, frequency=-0.3),
+     Penalties(repetition=1.3), Penalties(repetition=0.8),
+     Penalties(presence=2.0, frequency=2.0, repetition=2.0)],
+)  # fmt: skip
+def test_the_chains_penalties_have_vllms_meaning(penalties: Penalties) -> None:
+    """Repetition over prompt and output, frequency and presence over the output only."""
+    chain = _chain(penalties=penalties)
+    try:
+        got = chain.distribution(LOGITS)
+    finally:
+        chain.close()
+    assert np.allclose(got, _softmax(_reference_penalize(LOGITS, penalties)), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "top_k", "min_p"),
+    [(1.0, 1.0, 0, 0.0), (0.7, 1.0, 0, 0.2), (1.3, 0.8, 0, 0.05), (1.0, 1.0, 3, 0.5),
+     (2.0, 0.95, 5, 0.1), (0.5, 1.0, 0, 1.0)],
+)  # fmt: skip
+def test_the_chains_distribution_matches_the_reference(
+    temperature: float, top_p: float, top_k: int, min_p: float
+) -> None:
+    """Temperature first, then top-k, top-p and min-p, after the penalties."""
+    penalties = Penalties(0.5, 0.2, 1.2)
+    chain = _chain(temperature, top_p, top_k, min_p, penalties)
+    try:
+        got = chain.distribution(LOGITS)
+    finally:
+        chain.close()
+    row = _reference_penalize(LOGITS, penalties)
+    want = _reference_distribution(row, temperature, top_p, top_k, min_p)
+    assert np.allclose(got, want, atol=1e-6)
+    assert np.all(got[np.array(want) == 0] == 0)
+
+
+def test_the_chain_draws_from_that_distribution_and_repeats_by_seed() -> None:
+    want = np.array(_reference_distribution(LOGITS, 1.0, 1.0, 0, 0.15))
+    runs = []
+    for seed in (3, 3, 4):
+        chain = _chain(min_p=0.15, seed=seed)
+        try:
+            runs.append([chain.draw(LOGITS) for _ in range(20000)])
+        finally:
+            chain.close()
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    freq = np.bincount(runs[0], minlength=len(LOGITS)) / len(runs[0])
+    assert np.all(freq[want == 0] == 0)
+    assert np.allclose(freq, want, atol=0.015)
+
+
+def test_the_chains_greedy_is_numpys_argmax_bias_and_ban_included() -> None:
+    ties = [1.0, 3.0, 3.0, -np.inf]
+    for temperature in (0.0, 1e-6, float("nan")):
+        chain = _chain(temperature=temperature)
+        try:
+            assert chain.draw(ties) == int(np.argmax(ties)) == 1  # the first of a tie
+        finally:
+            chain.close()
+    chain = _chain(temperature=0.0, bias={3: 5.0, 0: -1.0}, ban=(3,))  # ban: min_tokens's
+    try:
+        row = [2.0, -1.0, 0.5, 3.0]  # biased: [1.0, -1.0, 0.5, 8.0], 3 banned
+        assert chain.distribution(row)[3] == 0.0 and chain.draw(row) == 0
+        chain.lift_ban()  # min_tokens reached: 3.0 + 5.0 wins again
+        assert chain.draw(row) == 3
+    finally:
+        chain.close()
+    assert chain.closed
+
+
+@pytest.mark.parametrize(("seed", "want"), [(None, 0xFFFFFFFF), (0, 0), (-1, 0xFFFFFFFE),
+                                            (0xFFFFFFFF, 0), (2**64 - 1, 0), (7, 7)])  # fmt: skip
+def test_every_seed_the_schema_admits_is_a_seed_to_llama_cpp(seed: int | None, want: int) -> None:
+    assert chain_seed(seed) == want  # 0xFFFFFFFF (LLAMA_DEFAULT_SEED) only for no seed

@@ -62,7 +62,7 @@ def test_sigill_at_first_decode_dies_of_sigill_and_only_when_asked() -> None:
     healthy = _worker()
     events = _generate(healthy)
     assert healthy.wait(60) == 0
-    assert [e["ev"] for e in events] == ["start", "tok", "tok", "tok", "tok", "fin"]
+    assert [e["ev"] for e in events] == ["start", "toks", "toks", "toks", "toks", "fin"]
 
 
 def test_exit_at_load_exits_3_before_ready() -> None:

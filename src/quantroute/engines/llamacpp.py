@@ -51,6 +51,7 @@ from quantroute.engines.base import (
     TokenEvent,
     TokenScores,
 )
+from quantroute.engines.exchange_timer import ExchangeTimer
 from quantroute.engines.exits import describe_exit
 from quantroute.engines.supervisor import RestartPolicy, WorkerSupervisor
 from quantroute.errors import (
@@ -65,7 +66,7 @@ from quantroute.types import Offload
 
 log = logging.getLogger(__name__)
 
-_Item = dict[str, Any] | BaseException
+_Item = dict[str, Any] | TokenEvent | BaseException
 
 PIPE_LINE_LIMIT_BYTES = 1 << 24
 # A request's events waiting for its reader: at the high mark the worker pauses its
@@ -100,6 +101,7 @@ class WorkerOptions:
     gpu: int | None = None  # CUDA device index (NVML order); None: the CPU
     oom_flag: str = ""  # a simulated device's out-of-memory flag file (see Offload)
     prompt_cache: bool = True  # reuse finished sequences' KV prefixes (engines/prompt_cache.py)
+    sampler: str = "chain"  # llama.cpp's sampler chain; "numpy" (sampling.py) is a reference
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_event_bytes <= PIPE_LINE_LIMIT_BYTES // 2:
@@ -123,6 +125,9 @@ class WorkerOptions:
             elif key == "prompt_cache":
                 if not value:
                     argv.append("--no-prompt-cache")
+            elif key == "sampler":
+                if value != "chain":
+                    argv += ["--sampler", value]
             elif key not in _GATEWAY_ONLY:
                 argv += [f"--{key.replace('_', '-')}", str(value)]
         return argv
@@ -352,13 +357,20 @@ class LlamaCppEngine:
             if not isinstance(event, dict):
                 log.error("%s: a line from the worker that is not an event dropped", self.name)
                 continue
-            rid = str(event.get("id", ""))
-            stream = self._streams.get(rid)
-            if stream is not None:
-                stream.put_nowait(event)
-                if stream.qsize() >= STREAM_HIGH_WATER and rid not in self._paused:
-                    self._paused.add(rid)  # its reader is slow: stop decoding for it
-                    self._post({"op": "pause", "id": rid})
+            if event.get("ev") == "toks":  # one step's plain tokens: id, text, token, ...
+                batch = event["b"]
+                for i in range(0, len(batch), 3):
+                    self._deliver(batch[i], TokenEvent(batch[i + 1], batch[i + 2]))
+            else:
+                self._deliver(str(event.get("id", "")), event)
+
+    def _deliver(self, rid: str, item: _Item) -> None:
+        stream = self._streams.get(rid)
+        if stream is not None:
+            stream.put_nowait(item)
+            if stream.qsize() >= STREAM_HIGH_WATER and rid not in self._paused:
+                self._paused.add(rid)  # its reader is slow: stop decoding for it
+                self._post({"op": "pause", "id": rid})
 
     def _abandon(self, proc: asyncio.subprocess.Process, cause: str) -> None:
         """Give up on this worker: fail every request on it, kill it (the supervisor
@@ -417,8 +429,9 @@ class LlamaCppEngine:
         *,
         idle_timeout_s: float | None = None,
         timeout_s: float | None = None,
-    ) -> AsyncGenerator[dict[str, Any], None]:
-        """Send ``command``; yield the worker's events for it up to the one named ``last``.
+    ) -> AsyncGenerator[dict[str, Any] | TokenEvent, None]:
+        """Send ``command``; yield the worker's events for it up to the one named ``last``
+        (a plain token already as a :class:`TokenEvent`).
         An ``err`` event, a dead worker, ``idle_timeout_s`` without an event or
         ``timeout_s`` in all raises; leaving early cancels the command."""
         rid = command["id"]
@@ -428,33 +441,31 @@ class LlamaCppEngine:
         self._paused.discard(rid)
         done = False
         loop = asyncio.get_running_loop()
-        deadline = None if timeout_s is None else loop.time() + timeout_s
-
-        def wait_s() -> float | None:  # the longest wait for the next event
-            waits = [] if idle_timeout_s is None else [idle_timeout_s]
-            if deadline is not None:
-                waits.append(max(0.0, deadline - loop.time()))
-            return min(waits) if waits else None
-
+        timer = ExchangeTimer(
+            loop, idle_timeout_s, timeout_s, lambda: stream.put_nowait(TimeoutError())
+        )
         try:
-            await self._send(command, wait_s())
+            await self._send(command, timer.wait_s())
             while True:
-                if not stream.empty() and (deadline is None or loop.time() < deadline):
-                    item = stream.get_nowait()  # the common case under load: no timer
+                if stream.empty():
+                    timer.waiting()
+                    item = await stream.get()
+                    timer.got()
                 else:
-                    wait = wait_s()
-                    try:
-                        async with asyncio.timeout(wait):
-                            item = await stream.get()
-                    except TimeoutError as exc:
-                        stuck_after_s = idle_timeout_s or timeout_s or 0.0
-                        raise self._timed_out(proc, wait or 0.0, stuck_after_s) from exc
+                    item = stream.get_nowait()  # the common case under load
+                if timer.expired is not None:
+                    stuck_after_s = idle_timeout_s or timeout_s or 0.0
+                    raise self._timed_out(proc, timer.expired, stuck_after_s)
                 if rid in self._paused and stream.qsize() <= STREAM_LOW_WATER:
                     self._paused.discard(rid)
                     self._post({"op": "resume", "id": rid})
+                if type(item) is TokenEvent:
+                    yield item
+                    continue
                 if isinstance(item, BaseException):
                     done = True
                     raise item
+                assert isinstance(item, dict)
                 if item["ev"] == "err":
                     done = True
                     raise _worker_error(self.name, item)
@@ -463,6 +474,7 @@ class LlamaCppEngine:
                 if done:
                     return
         finally:
+            timer.cancel()
             self._streams.pop(rid, None)
             self._paused.discard(rid)
             if not done:
@@ -532,7 +544,7 @@ class LlamaCppEngine:
         events = self._exchange(command, last, timeout_s=self._options.score_timeout_s)
         async with contextlib.aclosing(events):
             async for item in events:
-                if item["ev"] == last:
+                if isinstance(item, dict) and item["ev"] == last:
                     return item
         raise EngineError(f"branch {self.name}: scoring ended without an answer")
 
@@ -575,8 +587,12 @@ class LlamaCppEngine:
         )
         async with contextlib.aclosing(events):
             async for item in events:
+                if type(item) is TokenEvent:  # the common case: a plain token
+                    yield item
+                    continue
+                assert isinstance(item, dict)
                 kind = item["ev"]
-                if kind == "tok":
+                if kind == "tok":  # a token with logprobs
                     top = tuple((t, text, lp) for t, text, lp in item.get("top", ()))
                     yield TokenEvent(item["t"], item["tok"], item.get("lp"), item.get("p"), top)
                 elif kind == "start":

@@ -23,11 +23,31 @@ Events::
 
     {"ev": "ready", "info": {...EngineInfo...}}
     {"ev": "start", "id": "r1", "pt": 12, "c": 8}   (when it gets a slot; c: reused tokens)
-    {"ev": "tok", "id": "r1", "t": "def", "tok": 101, "lp": -0.3, "top": [[id, text, lp]]}
+    {"ev": "toks", "b": ["r1", "def", 101, "r2", " x", 7]}   (one step's plain tokens)
+    {"ev": "tok", "id": "r1", "t": "def", "tok": 101, "lp": -0.3, "p": "def", "top": [[7, "x", -2]]}
     {"ev": "fin", "id": "r1", "reason": "stop", "pt": 12, "ct": 40, "t": "", "tm": [ns, ns, ns]}
     {"ev": "logits", "id": "r2", "path": "...", "shape": [2, 354]}
     {"ev": "scores", "id": "r3", "kld": [0.0012, 0.0], "top1": [true, true]}
     {"ev": "err", "id": "r1", "code": "context_length_exceeded", "msg": "...", ...}
+
+A step's tokens go out together: one ``toks`` line per decode step carries every
+sequence's new token as a flat run of ``id, text, token`` triples (``text`` is what
+the token adds to the output after stop-sequence hold-back; it may be empty), in
+batch order; a token with logprobs has its own ``tok`` line (``lp``, ``p``: the
+token's own text, ``top``). A sequence's events keep their order: its tokens of a
+step precede its ``fin``. The lines of a step are written with one ``write``.
+
+Sampling (``engines/sampler_chain.py``): each ``gen`` gets its own llama.cpp sampler
+chain when admitted (logit bias and ``ignore_eos``, the penalties, the ``min_tokens``
+ban, then greedy or temperature / top-k / top-p / min-p and a draw seeded by
+``seed``), freed when the sequence ends however it ends; ``llama_sampler_sample``
+reads the row of logits inside llama.cpp, so a plain request copies nothing
+vocabulary-sized into Python. Only two cases read the row in numpy
+(``engines/sampling.py``): a request with logprobs (the chain picks the token; the
+row, biased and penalized the same way, gives the log-probabilities) and one with a
+grammar (``engines/constrained.py``: the closing path needs the masked row).
+``--sampler numpy`` samples every request in numpy, as before the chain: a reference
+for tests (greedy text is the same; seeded text is not, the generators differ).
 
 ``logits`` teacher-forces ``prompt + tokens`` and writes the raw float32
 logits that predicted each of ``tokens`` (``[T, V]``, row-major, no header) to
@@ -102,7 +122,8 @@ import numpy as np
 
 from quantroute.engines.constrained import ClosingOrder, Grammar, GrammarError
 from quantroute.engines.prompt_cache import PromptCache
-from quantroute.engines.sampling import Penalties, choice_of, penalize, sample
+from quantroute.engines.sampler_chain import SamplerChain
+from quantroute.engines.sampling import GREEDY_BELOW, Penalties, choice_of, penalize, sample
 from quantroute.engines.scoring import Comparison, LogitsDump, ScoringJob
 from quantroute.engines.stops import StopMatcher
 
@@ -136,6 +157,8 @@ class Sequence:
     counts: np.ndarray[Any, Any] | None = None  # [V] generated tokens, with penalties
     seen: np.ndarray[Any, Any] | None = None  # [V] prompt or generated, with penalties
     grammar: Grammar | None = None  # response_format / a forced tool call
+    chain: SamplerChain | None = None  # llama.cpp's sampling, for every gen but a grammar's
+    argmax: bool = False  # greedy, biases at most: the argmax of llama.cpp's row, in place
     deadline: float | None = None  # time.monotonic(); past it the sequence finishes "deadline"
     paused: bool = False  # its reader is slow: keep the slot, decode nothing until resumed
     first_scored: int = -1  # >= 0: a scoring job; its rows from this position on go to `job`
@@ -161,9 +184,11 @@ class Worker:
     def __init__(self, args: argparse.Namespace, out: IO[bytes]):
         self._out = out
         self._pending_out: list[bytes] = []
+        self._tokens: list[str | int] = []  # this step's plain tokens: id, text, token, ...
         self._max_event_bytes = args.max_event_bytes
         self._refused: set[str] = set()  # ids whose event was too long: dropped at step end
         self._fault = args.fault
+        self.sampler = args.sampler  # "chain" (llama.cpp's); "numpy", a reference for tests
         self._oom_flag = args.oom_flag  # a simulated device's: allocations fail while it exists
         lc.llama_backend_init()
         if args.log_level != "debug":
@@ -206,11 +231,28 @@ class Worker:
         self.commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.running = True
         self._closing_order: ClosingOrder | None = None  # made with the first grammar
+        self.chains_open = 0  # sampler chains built and not yet freed (a test reads it)
 
     # -- protocol -------------------------------------------------------------
 
+    def emit_token(self, rid: str, text: str, token: int) -> None:
+        """Queue a plain token (no logprobs): this step's go out together, one ``toks``."""
+        if rid not in self._refused:
+            self._tokens += (rid, text, token)
+
+    def _emit_tokens(self) -> None:
+        tokens, self._tokens = self._tokens, []
+        line = json.dumps({"ev": "toks", "b": tokens}, separators=(",", ":")).encode() + b"\n"
+        if len(line) <= self._max_event_bytes:
+            self._pending_out.append(line)
+            return
+        for i in range(0, len(tokens), 3):  # too long together: one line each, each checked
+            self.emit({"ev": "tok", "id": tokens[i], "t": tokens[i + 1], "tok": tokens[i + 2]})
+
     def emit(self, event: dict[str, Any]) -> None:
         """Queue one event line; one over the line limit becomes an ``err`` for its id."""
+        if self._tokens:  # they came first
+            self._emit_tokens()
         rid = event.get("id")
         if rid in self._refused:
             return
@@ -246,6 +288,8 @@ class Worker:
         self._refused.clear()
 
     def flush(self) -> None:
+        if self._tokens:
+            self._emit_tokens()
         if self._pending_out:
             self._out.write(b"".join(self._pending_out))
             self._out.flush()
@@ -358,7 +402,7 @@ class Worker:
             top_k=int(s["top_k"]),
             logprobs=bool(s["logprobs"]),
             n_top=int(s["top_logprobs"]),
-            rng=np.random.default_rng(s.get("seed")),
+            rng=np.random.default_rng(None if s.get("seed") is None else int(s["seed"]) % 2**64),
             stops=StopMatcher(tuple(s["stop"])),
             ignore_eos=bool(s.get("ignore_eos")),
             min_p=float(s.get("min_p", 0.0)),
@@ -371,20 +415,46 @@ class Worker:
             deadline=None if s.get("deadline") is None else float(s["deadline"]),
             stamps=[time.time_ns()] if cmd.get("tc") else None,
         )
-        bias = [(int(t), float(b)) for t, b in s.get("logit_bias", ())]
-        if any(not 0 <= t < self.n_vocab for t, _ in bias):
+        bias = {int(t): float(b) for t, b in s.get("logit_bias", ())}  # a repeat: the last
+        if any(not 0 <= t < self.n_vocab for t in bias):
             raise ValueError("a logit_bias token id is outside the vocabulary")
         if seq.ignore_eos:
-            bias += [(t, -np.inf) for t in self.eog_tokens]
-        if bias:
-            seq.bias_ids = np.array([t for t, _ in bias], dtype=np.int64)
-            seq.bias_values = np.array([b for _, b in bias], dtype=np.float32)
-        if seq.penalties.active:
+            bias |= dict.fromkeys(self.eog_tokens, -np.inf)
+        grammar = s.get("grammar")
+        # The numpy row (a grammar's sampling; logprobs, which need the row) is built only
+        # for the requests that need it; everyone else samples in llama.cpp's chain.
+        chained = not grammar and self.sampler == "chain"
+        wants_row = not chained or seq.logprobs or seq.n_top > 0
+        # Greedy with nothing but biases needs no chain: llama.cpp's greedy sampler first
+        # copies the row into a V-long candidate array (80 µs at 32k tokens, measured),
+        # numpy's argmax over the row where it lies takes 18. Same token: the first best.
+        seq.argmax = chained and not wants_row and not seq.penalties.active
+        seq.argmax = seq.argmax and not seq.temperature >= GREEDY_BELOW
+        if bias and (wants_row or seq.argmax):
+            seq.bias_ids = np.array(list(bias), dtype=np.int64)
+            seq.bias_values = np.array(list(bias.values()), dtype=np.float32)
+        if seq.penalties.active and wants_row:
             seq.counts = np.zeros(self.n_vocab, dtype=np.int32)
             seq.seen = np.zeros(self.n_vocab, dtype=np.bool_)
             seq.seen[prompt] = True
-        if s.get("grammar") and not self.admit_grammar(seq, str(s["grammar"])):
-            return
+        if grammar:
+            if not self.admit_grammar(seq, str(grammar)):
+                return
+        elif chained and not seq.argmax:
+            seq.chain = SamplerChain(
+                n_vocab=self.n_vocab,
+                temperature=seq.temperature,
+                top_p=seq.top_p,
+                top_k=seq.top_k,
+                min_p=seq.min_p,
+                seed=None if s.get("seed") is None else int(s["seed"]),
+                bias=bias,
+                penalties=seq.penalties,
+                prompt=prompt,
+                window=self.n_ctx,
+                ban=self.eog_tokens if seq.min_tokens > 0 and not seq.ignore_eos else (),
+            )
+            self.chains_open += 1
         self.waiting.append(seq)  # its "start" goes out when it gets a slot
 
     def admit_grammar(self, seq: Sequence, gbnf: str) -> bool:
@@ -502,6 +572,10 @@ class Worker:
         self.close_job(seq)
 
     def close_job(self, seq: Sequence) -> None:
+        if seq.chain is not None:
+            seq.chain.close()
+            seq.chain = None
+            self.chains_open -= 1
         if seq.grammar is not None:
             seq.grammar.close()
             seq.grammar = None
@@ -650,8 +724,10 @@ class Worker:
                 )
                 self.release(seq)
             return
+        argmax = any(seq.argmax for _, seq in outputs)
+        rows = self._output_rows(len(outputs) + len(scoring)) if argmax else None
         for index, seq in outputs:
-            self._advance(seq, index)
+            self._advance(seq, index, rows)
         failed: set[str] = set()
         for index, seq in scoring:
             if seq.rid in failed or seq.job is None:
@@ -674,7 +750,9 @@ class Worker:
         b.seq_id[i][0] = slot
         b.logits[i] = logits
 
-    def _advance(self, seq: Sequence, index: int) -> None:
+    def _row(self, seq: Sequence, index: int) -> Any:
+        """The sequence's row of logits in numpy, biased, penalized and with the
+        ``min_tokens`` ban, as its chain sees it: for a grammar, or for logprobs. # [V]"""
         ptr = lc.llama_get_logits_ith(self.ctx, index)
         logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))  # [V], a view
         if seq.bias_ids is not None:
@@ -682,14 +760,44 @@ class Worker:
             logits[seq.bias_ids] += seq.bias_values
         if seq.counts is not None and seq.seen is not None:
             logits = penalize(logits, seq.penalties, seq.counts, seq.seen)
-        if seq.generated < seq.min_tokens and self.eog_tokens:
+        if seq.generated < seq.min_tokens and self.eog_tokens and not seq.ignore_eos:
             logits = np.array(logits, dtype=np.float64)
             logits[self.eog_tokens] = -np.inf
-        if seq.grammar is not None:
-            token, choice = self._constrained(seq, logits, index)
-        else:
+        return logits
+
+    def _output_rows(self, n: int) -> tuple[Any, int]:
+        """This step's ``n`` rows of logits (one per token that asked for them) where
+        llama.cpp holds them, as one view, and the address of the first."""
+        base = lc.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(base, shape=(n, self.n_vocab)), ctypes.addressof(base.contents)
+
+    def _argmax(self, seq: Sequence, index: int, rows: tuple[Any, int]) -> int:
+        """A greedy sequence's token: its biases and ``min_tokens`` ban written into its row
+        (llama.cpp's buffer, read by nothing else before the next decode), then the first
+        highest logit, as llama.cpp's greedy sampler picks it."""
+        view, base = rows
+        ptr = lc.llama_get_logits_ith(self.ctx, index)
+        row = view[(ctypes.addressof(ptr.contents) - base) // (4 * self.n_vocab)]  # [V]
+        if seq.bias_ids is not None:
+            row[seq.bias_ids] += seq.bias_values
+        if seq.generated < seq.min_tokens and self.eog_tokens and not seq.ignore_eos:
+            row[self.eog_tokens] = -np.inf
+        return int(row.argmax())
+
+    def _advance(self, seq: Sequence, index: int, rows: tuple[Any, int] | None = None) -> None:
+        choice = None
+        if seq.argmax and rows is not None:
+            token = self._argmax(seq, index, rows)
+        elif seq.chain is not None:
+            token = seq.chain.sample(self.ctx, index)  # the row stays in llama.cpp
+            if seq.logprobs or seq.n_top:
+                row = self._row(seq, index)
+                choice = choice_of(row, token, want_logprob=seq.logprobs, n_top=seq.n_top)
+        elif seq.grammar is not None:
+            token, choice = self._constrained(seq, self._row(seq, index), index)
+        else:  # --sampler numpy: the reference the chain is tested against
             choice = sample(
-                logits,
+                self._row(seq, index),
                 temperature=seq.temperature,
                 top_p=seq.top_p,
                 top_k=seq.top_k,
@@ -712,15 +820,20 @@ class Worker:
             seq.counts[token] += 1
             seq.seen[token] = True
         seq.generated += 1
+        if seq.generated == seq.min_tokens and seq.chain is not None:
+            seq.chain.lift_ban()  # an argmax sequence checks the count itself
         seq.out.append(token)
         text = seq.stops.feed(seq.decoder.decode(self.piece_bytes(token)))
-        event: dict[str, Any] = {"ev": "tok", "id": seq.rid, "t": text, "tok": token}
-        if choice.logprob is not None:
-            event["lp"] = choice.logprob
-            event["p"] = self.piece(token)
-        if choice.top:
-            event["top"] = [[t, self.piece(t), lp] for t, lp in choice.top]
-        self.emit(event)
+        if choice is None or (choice.logprob is None and not choice.top):
+            self.emit_token(seq.rid, text, token)
+        else:
+            event: dict[str, Any] = {"ev": "tok", "id": seq.rid, "t": text, "tok": token}
+            if choice.logprob is not None:
+                event["lp"] = choice.logprob
+                event["p"] = self.piece(token)
+            if choice.top:
+                event["top"] = [[t, self.piece(t), lp] for t, lp in choice.top]
+            self.emit(event)
         if seq.stops.stopped:
             self.finish(seq, "stop")
         elif seq.generated >= seq.max_tokens or seq.n_past + 1 >= self.n_ctx:
@@ -801,6 +914,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=MAX_EVENT_BYTES,
         help="longest event line; a longer one is an error for its request",
+    )
+    parser.add_argument(
+        "--sampler",
+        default="chain",
+        choices=("chain", "numpy"),
+        help="chain: llama.cpp's sampler chain; numpy: engines/sampling.py (a reference)",
     )
     parser.add_argument(
         "--fault",
