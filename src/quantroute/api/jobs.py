@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -97,6 +97,7 @@ class Run:
         self._pending = pending or [[] for _ in streams]
         self._on_finished = on_finished
         self._on_done = on_done
+        self._tokens: list[int] = []  # of choice 0, for the drift monitor
         # Bounded: at most RUN_BUFFER_EVENTS events per choice wait for the reader (``_room``);
         # then the pumps stop, their engine streams fill, and the engine pauses the sequences
         # in the worker (high and low watermarks there). A choice's end or error always fits.
@@ -116,7 +117,19 @@ class Run:
     async def events(
         self, keepalive_s: float | None = None
     ) -> AsyncIterator[tuple[int, EngineEvent] | Tick]:
-        """Every choice's events, interleaved as they come; ``Tick`` when idle."""
+        """Every choice's events, interleaved as they come; ``Tick`` when idle.
+
+        One choice with no keep-alive (a whole response's collector, which reads as fast
+        as events come) is read straight from its engine stream in the caller's task: no
+        pump task, no buffer."""
+        if len(self._streams) == 1 and keepalive_s is None:
+            try:
+                async with contextlib.aclosing(self._direct()) as events:
+                    async for event in events:
+                        yield 0, event
+            finally:
+                await self.close()
+            return
         async for batch in self.batches(keepalive_s):
             if isinstance(batch, Tick):
                 yield batch
@@ -178,13 +191,25 @@ class Run:
         if reader is not None and not reader.done():
             reader.set_result(None)
 
+    async def _direct(self) -> AsyncGenerator[EngineEvent, None]:
+        """The one choice's events, read from its engine stream by the caller's task."""
+        try:
+            for event in self._pending[0]:
+                self._note(0, event)
+                yield event
+            async for event in self._streams[0]:
+                self._note(0, event)
+                yield event
+        except EngineError:
+            self._failed = True
+            raise
+
     async def _pump(self, index: int, stream: AsyncIterator[EngineEvent]) -> None:
-        tokens: list[int] = []  # of choice 0, for the drift monitor
         try:
             for event in self._pending[index]:
-                await self._emit(index, event, tokens)
+                await self._emit(index, event)
             async for event in stream:
-                await self._emit(index, event, tokens)
+                await self._emit(index, event)
         except EngineError as exc:
             self._failed = True
             self._put(exc)
@@ -195,7 +220,7 @@ class Run:
             self._put(exc)
         self._put(None)
 
-    async def _emit(self, index: int, event: EngineEvent, tokens: list[int]) -> None:
+    async def _emit(self, index: int, event: EngineEvent) -> None:
         if self._room <= 0:  # the reader is behind: wait, but not forever
             try:
                 async with asyncio.timeout(self._stall_timeout_s):
@@ -208,16 +233,20 @@ class Run:
                 ) from exc
         self._room -= 1
         self._put((index, event))
+        self._note(index, event)
+
+    def _note(self, index: int, event: EngineEvent) -> None:
+        """Count an event of choice ``index`` as it arrives: the trace, usage, the end."""
         if isinstance(event, TokenEvent):
             self.job.trace.token(index)
             if index == 0:
-                tokens.append(event.token_id)
+                self._tokens.append(event.token_id)
         elif isinstance(event, FinishEvent):
             self.job.trace.choice_finished(index, event)
             self._finished += 1
             self.usage_tokens += event.prompt_tokens + event.completion_tokens
             if index == 0 and self._on_finished:
-                self._on_finished(self, tokens)
+                self._on_finished(self, self._tokens)
 
     def _abort(self, exc: BaseException) -> None:
         """A reader stalled past its limit: drop what it did not read, end every choice
