@@ -48,11 +48,11 @@ async def test_piled_up_tokens_go_out_together_and_add_up(chat: bool) -> None:
 
 
 class _FakeRun:
-    def __init__(self) -> None:
+    def __init__(self, kind: str = "completion", include_usage: bool = False) -> None:
         from types import SimpleNamespace
 
         self.job = SimpleNamespace(
-            id="j", kind="completion", requests=[0, 1], include_usage=False, n=1
+            id="j", kind=kind, requests=[0, 1], include_usage=include_usage, n=1, tools=False
         )
         self.branch = SimpleNamespace(id="m:q4_k_m", artifact=SimpleNamespace(sha256="0" * 64))
         self.prompt_tokens = [1, 1]
@@ -63,6 +63,34 @@ def test_a_batch_groups_only_consecutive_tokens_of_one_choice() -> None:
     tok = [TokenEvent(c, ord(c)) for c in "abcd"]
     batch = [(0, tok[0]), (0, tok[1]), (1, tok[2]), (0, tok[3])]
     batch.append((0, FinishEvent(FinishReason.LENGTH, 1, 3)))
-    out = [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in _chunks(renderer, batch)]
+    chunks = [json.loads(data) for data in _chunks(renderer, batch)]
+    out = [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in chunks]
     assert out == [(0, "ab"), (1, "c"), (0, "d"), (0, "")]
     assert [c.completion_tokens for c in renderer.choices] == [3, 1]
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize(
+    "texts", [["a"], ["he", "llo"], ['"q"\\', "\n\t\x00"], ["é", "日本", "🙂"]]
+)
+def test_a_token_chunk_from_its_template_is_the_bytes_the_dict_encodes_to(
+    kind: str, include_usage: bool, texts: list[str]
+) -> None:
+    """The hot path writes a plain chunk from a per-choice template; it must be exactly what
+    encoding the chunk's dict gives, and count the same tokens."""
+    from quantroute.api.render import encode
+
+    fast = ResponseRenderer(_FakeRun(kind, include_usage))  # type: ignore[arg-type]
+    slow = ResponseRenderer(_FakeRun(kind, include_usage))  # type: ignore[arg-type]
+    fast.created = slow.created
+    events = [TokenEvent(t, 7) for t in texts]
+    for index in (1, 0, 1):
+        body = slow.tokens_chunk(index, events)
+        assert body is not None
+        assert fast.tokens_data(index, events) == encode(body)
+    assert [c.completion_tokens for c in fast.choices] == [
+        c.completion_tokens for c in slow.choices
+    ]
+    assert [c.text for c in fast.choices] == [c.text for c in slow.choices]
+    assert fast.tokens_data(0, [TokenEvent("", 9)]) is None  # held back: no chunk at all

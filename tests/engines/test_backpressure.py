@@ -5,6 +5,7 @@ cut off and its slot freed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -76,12 +77,64 @@ async def test_a_reader_stalled_past_its_limit_is_cut_off_and_the_slot_freed() -
         on_done=lambda r, ok: outcome.append(ok),
         stall_timeout_s=0.2,
     )
-    events = aiter(run.events())
-    await anext(events)  # the reader takes one event, then stalls
+    events = aiter(run.batches())  # a stream's reader (a whole response's reads directly)
+    await anext(events)  # the reader takes one batch, then stalls
     await asyncio.sleep(0.5)
     assert engine.in_flight == 0  # cut off: the generation was cancelled, its slot freed
-    assert run._queue.qsize() <= 2  # what it did not read was dropped, not kept
+    assert len(run._ready) <= 2  # what it did not read was dropped, not kept
     with pytest.raises(ReaderStalledError):
         async for _ in events:
             pass
     assert outcome == [None]  # cut short: neither a success nor the branch's failure
+
+
+@pytest.mark.parametrize("crash_after", [None, 5])
+async def test_a_whole_response_reads_its_one_choice_without_a_pump(
+    crash_after: int | None,
+) -> None:
+    """One choice read whole comes straight from the engine stream, in the reader's task:
+    the same events, the usage, the drift monitor's tokens and the verdict all the same."""
+    from quantroute.engines.fake import FakeFaults
+    from quantroute.errors import EngineError
+
+    engine = FakeEngine(faults=FakeFaults(crash_after=crash_after))
+    table = fake_table({"f16": engine})
+    branch = table.models["tiny-llama"].branches[0]
+    req = CompletionRequest(model="tiny-llama:f16", prompt="x", max_tokens=12)
+    job = build_job(
+        req,
+        pinned("tiny-llama", branch.id, ready=True, retry_after_s=1.0),
+        (branch,),
+        None,
+        max_tokens=12,
+        deadline=None,
+    )
+    await engine.start()
+    stream = aiter(engine.generate(job.requests[0]))
+    pending = [await anext(stream), await anext(stream)]  # start and first token
+    outcome: list[bool | None] = []
+    finished: list[list[int]] = []
+    run = Run(
+        job,
+        branch,
+        [stream],
+        [1],
+        lambda r, tokens: finished.append(list(tokens)),
+        pending=[pending],
+        on_done=lambda r, ok: outcome.append(ok),
+    )
+    tasks = len(asyncio.all_tasks())
+    events = []
+    with contextlib.suppress(EngineError):
+        async for item in run.events():
+            assert len(asyncio.all_tasks()) == tasks  # no pump task
+            events.append(item)
+    tokens = [e for _, e in events if isinstance(e, TokenEvent)]
+    assert events[0] == (0, pending[0]) and run._pumps == []
+    assert engine.in_flight == 0  # closed either way
+    if crash_after is None:
+        assert isinstance(events[-1][1], FinishEvent) and len(tokens) == 12
+        assert outcome == [True] and finished == [[t.token_id for t in tokens]]
+        assert run.usage_tokens == events[-1][1].prompt_tokens + 12
+    else:
+        assert len(tokens) == crash_after and outcome == [False] and finished == []

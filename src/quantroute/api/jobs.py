@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -96,12 +97,15 @@ class Run:
         self._pending = pending or [[] for _ in streams]
         self._on_finished = on_finished
         self._on_done = on_done
-        # Bounded: at most RUN_BUFFER_EVENTS events per choice wait for the reader (the
-        # semaphore); then the pumps stop, their engine streams fill, and the engine pauses
-        # the sequences in the worker (high and low watermarks there). A choice's end or
-        # error always fits.
-        self._queue: asyncio.Queue[tuple[int, EngineEvent] | BaseException | None] = asyncio.Queue()
-        self._room = asyncio.Semaphore(RUN_BUFFER_EVENTS * max(1, len(streams)))
+        self._tokens: list[int] = []  # of choice 0, for the drift monitor
+        # Bounded: at most RUN_BUFFER_EVENTS events per choice wait for the reader (``_room``);
+        # then the pumps stop, their engine streams fill, and the engine pauses the sequences
+        # in the worker (high and low watermarks there). A choice's end or error always fits.
+        # A deque and one future, not an asyncio.Queue and a Semaphore: this is per token.
+        self._ready: deque[tuple[int, EngineEvent] | BaseException | None] = deque()
+        self._reader: asyncio.Future[None] | None = None  # the reader, waiting for an event
+        self._room = RUN_BUFFER_EVENTS * max(1, len(streams))
+        self._drained = asyncio.Event()  # the reader took events: a full pump may go on
         self._stall_timeout_s = stall_timeout_s
         self._closer: asyncio.Task[None] | None = None
         self._pumps: list[asyncio.Task[None]] = []
@@ -113,7 +117,19 @@ class Run:
     async def events(
         self, keepalive_s: float | None = None
     ) -> AsyncIterator[tuple[int, EngineEvent] | Tick]:
-        """Every choice's events, interleaved as they come; ``Tick`` when idle."""
+        """Every choice's events, interleaved as they come; ``Tick`` when idle.
+
+        One choice with no keep-alive (a whole response's collector, which reads as fast
+        as events come) is read straight from its engine stream in the caller's task: no
+        pump task, no buffer."""
+        if len(self._streams) == 1 and keepalive_s is None:
+            try:
+                async with contextlib.aclosing(self._direct()) as events:
+                    async for event in events:
+                        yield 0, event
+            finally:
+                await self.close()
+            return
         async for batch in self.batches(keepalive_s):
             if isinstance(batch, Tick):
                 yield batch
@@ -131,20 +147,29 @@ class Run:
             for i, s in enumerate(self._streams)
         ]
         remaining = len(self._pumps)
-        queue = self._queue
+        ready = self._ready
+        loop = asyncio.get_running_loop()
         try:
             while remaining:
-                if queue.empty():
+                if not ready:
+                    reader = self._reader = loop.create_future()
+                    timer = (
+                        None
+                        if keepalive_s is None
+                        else loop.call_later(keepalive_s, _time_out, reader)
+                    )
                     try:
-                        first = await asyncio.wait_for(queue.get(), keepalive_s)
+                        await reader
                     except TimeoutError:
                         yield Tick()
                         continue
-                else:
-                    first = queue.get_nowait()  # the common case: no timer, no task
+                    finally:
+                        self._reader = None
+                        if timer is not None:
+                            timer.cancel()
                 batch: list[tuple[int, EngineEvent]] = []
-                item = first
-                while True:
+                while ready:
+                    item = ready.popleft()
                     if item is None:
                         remaining -= 1
                     elif isinstance(item, BaseException):
@@ -152,68 +177,87 @@ class Run:
                             yield batch  # what came before the error still goes out
                         raise item
                     else:
-                        self._room.release()
                         batch.append(item)
-                    if queue.empty():
-                        break
-                    item = queue.get_nowait()
                 if batch:
+                    self._room += len(batch)
+                    self._drained.set()
                     yield batch
         finally:
             await self.close()
 
+    def _put(self, item: tuple[int, EngineEvent] | BaseException | None) -> None:
+        self._ready.append(item)
+        reader = self._reader
+        if reader is not None and not reader.done():
+            reader.set_result(None)
+
+    async def _direct(self) -> AsyncGenerator[EngineEvent, None]:
+        """The one choice's events, read from its engine stream by the caller's task."""
+        try:
+            for event in self._pending[0]:
+                self._note(0, event)
+                yield event
+            async for event in self._streams[0]:
+                self._note(0, event)
+                yield event
+        except EngineError:
+            self._failed = True
+            raise
+
     async def _pump(self, index: int, stream: AsyncIterator[EngineEvent]) -> None:
-        tokens: list[int] = []  # of choice 0, for the drift monitor
         try:
             for event in self._pending[index]:
-                await self._emit(index, event, tokens)
+                await self._emit(index, event)
             async for event in stream:
-                await self._emit(index, event, tokens)
+                await self._emit(index, event)
         except EngineError as exc:
             self._failed = True
-            self._queue.put_nowait(exc)
+            self._put(exc)
         except ReaderStalledError as exc:
             self._abort(exc)
             return
         except Exception as exc:
-            self._queue.put_nowait(exc)
-        self._queue.put_nowait(None)
+            self._put(exc)
+        self._put(None)
 
-    async def _emit(self, index: int, event: EngineEvent, tokens: list[int]) -> None:
-        if self._room.locked():  # the reader is behind: wait, but not forever
+    async def _emit(self, index: int, event: EngineEvent) -> None:
+        if self._room <= 0:  # the reader is behind: wait, but not forever
             try:
                 async with asyncio.timeout(self._stall_timeout_s):
-                    await self._room.acquire()
+                    while self._room <= 0:
+                        self._drained.clear()
+                        await self._drained.wait()
             except TimeoutError as exc:
                 raise ReaderStalledError(
                     f"the client read nothing for {self._stall_timeout_s:g} s; the stream was cut"
                 ) from exc
-        else:  # the common case: room now, so no timer
-            await self._room.acquire()
-        self._queue.put_nowait((index, event))
+        self._room -= 1
+        self._put((index, event))
+        self._note(index, event)
+
+    def _note(self, index: int, event: EngineEvent) -> None:
+        """Count an event of choice ``index`` as it arrives: the trace, usage, the end."""
         if isinstance(event, TokenEvent):
             self.job.trace.token(index)
+            if index == 0:
+                self._tokens.append(event.token_id)
         elif isinstance(event, FinishEvent):
             self.job.trace.choice_finished(index, event)
-        if isinstance(event, FinishEvent):
             self._finished += 1
             self.usage_tokens += event.prompt_tokens + event.completion_tokens
-        if index == 0 and isinstance(event, TokenEvent):
-            tokens.append(event.token_id)
-        elif index == 0 and isinstance(event, FinishEvent) and self._on_finished:
-            self._on_finished(self, tokens)
+            if index == 0 and self._on_finished:
+                self._on_finished(self, self._tokens)
 
     def _abort(self, exc: BaseException) -> None:
         """A reader stalled past its limit: drop what it did not read, end every choice
         with the error, stop generating."""
-        while not self._queue.empty():
-            self._queue.get_nowait()
-        self._queue.put_nowait(exc)
+        self._ready.clear()
+        self._put(exc)
         for task in self._pumps:
             if task is not asyncio.current_task():
                 task.cancel()
         for _ in self._pumps:
-            self._queue.put_nowait(None)
+            self._put(None)
         self._closer = asyncio.create_task(self._close_streams())  # free the slots now
 
     async def _close_streams(self) -> None:
@@ -247,6 +291,11 @@ async def close_all(streams: list[AsyncIterator[EngineEvent]]) -> None:
         if aclose is not None:
             with contextlib.suppress(Exception):
                 await aclose()
+
+
+def _time_out(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
 
 
 def build_job(

@@ -3,13 +3,22 @@ for streams and whole objects otherwise."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring  # the C one, where built
 from typing import Any
 
 from quantroute.api.jobs import Run
 from quantroute.api.tools import ToolCallStream, split_calls
 from quantroute.engines.base import FinishEvent, TokenEvent
+
+_HOLE = "\x00"  # stands for a chunk's text in its template: JSON writes it "\u0000"
+
+
+def encode(obj: Any) -> bytes:
+    """A JSON event payload (one line: JSON escapes newlines in strings)."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 @dataclass(slots=True)
@@ -33,6 +42,8 @@ class ResponseRenderer:
         self.model = run.branch.id
         self.choices = [_Choice() for _ in run.job.requests]
         self.tools = self.chat and run.job.tools  # read tool calls out of the replies
+        # the bytes around a plain token chunk's text, per choice (see ``tokens_data``)
+        self._templates: dict[int, tuple[bytes, bytes]] = {}
 
     # -- shared ---------------------------------------------------------------
 
@@ -132,6 +143,37 @@ class ResponseRenderer:
             if entry is not None:
                 entries.append(entry)
         return self._text_chunk(index, "".join(texts), entries, None)
+
+    def tokens_data(self, index: int, events: list[TokenEvent]) -> bytes | None:
+        """:meth:`tokens_chunk`, encoded: the same bytes as ``encode(tokens_chunk(...))``.
+
+        The hot path of a stream. A plain chunk (text only: no tool calls read out, no
+        logprobs) is its choice's template around the JSON of its text, so a token costs
+        one string encoding instead of building and encoding a dict tree."""
+        if self.tools or any(e.logprob is not None for e in events):
+            body = self.tokens_chunk(index, events)
+            return None if body is None else encode(body)
+        choice = self.choices[index]
+        choice.completion_tokens += len(events)
+        if len(events) == 1:
+            text = events[0].text
+            choice.text.append(text)
+        else:
+            text = "".join(e.text for e in events)
+            choice.text.extend(e.text for e in events)
+        if not text:
+            return None  # held back (a possible stop sequence, or a partial character)
+        template = self._templates.get(index)
+        if template is None:
+            template = self._templates[index] = self._template(index)
+        head, tail = template
+        return head + encode_basestring(text).encode() + tail
+
+    def _template(self, index: int) -> tuple[bytes, bytes]:
+        delta: Any = {"content": _HOLE} if self.chat else _HOLE
+        data = encode(self._chunk(index, delta, None, None))
+        head, _, tail = data.rpartition(encode(_HOLE))  # the text is the last string
+        return head, tail
 
     def _text_chunk(
         self, index: int, text: str, entries: list[dict[str, Any]], finish: str | None

@@ -13,13 +13,11 @@ and no ``[DONE]``, so a client can tell a cut stream from a finished one.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
 
 from quantroute.api.jobs import Run, Tick
-from quantroute.api.render import ResponseRenderer
+from quantroute.api.render import ResponseRenderer, encode
 from quantroute.engines.base import EngineEvent, FinishEvent, TokenEvent
 from quantroute.errors import QuantrouteError
 from quantroute.resilience.resume import Stream
@@ -31,11 +29,6 @@ DONE = b"[DONE]"
 RETRY_MS = 1000  # how long a client (EventSource) waits before reconnecting
 
 
-def encode(obj: Any) -> bytes:
-    """A JSON event payload (one line: JSON escapes newlines in strings)."""
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-
-
 async def payloads(run: Run) -> AsyncIterator[bytes]:
     """The data of each event of a streamed run: its chunks, then ``[DONE]`` or an error."""
     renderer = ResponseRenderer(run)
@@ -45,8 +38,8 @@ async def payloads(run: Run) -> AsyncIterator[bytes]:
         async for batch in run.batches():
             if isinstance(batch, Tick):
                 continue
-            for body in _chunks(renderer, batch):
-                yield encode(body)
+            for data in _chunks(renderer, batch):
+                yield data
         if run.job.include_usage:
             yield encode(renderer.usage_chunk())
         yield DONE
@@ -58,29 +51,28 @@ async def payloads(run: Run) -> AsyncIterator[bytes]:
         yield encode(QuantrouteError("internal error while streaming").to_openai())
 
 
-def _chunks(
-    renderer: ResponseRenderer, batch: list[tuple[int, EngineEvent]]
-) -> Iterator[dict[str, Any]]:
-    """The chunks of a batch of events: consecutive tokens of one choice make one chunk."""
+def _chunks(renderer: ResponseRenderer, batch: list[tuple[int, EngineEvent]]) -> Iterator[bytes]:
+    """The chunks of a batch of events, encoded: consecutive tokens of one choice make one
+    chunk."""
     tokens: list[TokenEvent] = []
     at = -1
     for index, event in batch:
         if tokens and (index != at or not isinstance(event, TokenEvent)):
-            body = renderer.tokens_chunk(at, tokens)
+            data = renderer.tokens_data(at, tokens)
             tokens = []
-            if body is not None:
-                yield body
+            if data is not None:
+                yield data
         if isinstance(event, TokenEvent):
             tokens.append(event)
             at = index
         elif isinstance(event, FinishEvent):
             body = renderer.chunk(index, event)
             if body is not None:
-                yield body
+                yield encode(body)
     if tokens:
-        body = renderer.tokens_chunk(at, tokens)
-        if body is not None:
-            yield body
+        data = renderer.tokens_data(at, tokens)
+        if data is not None:
+            yield data
 
 
 def frame(key: str, seq: int, data: bytes, *, retry: bool = False) -> bytes:
@@ -90,18 +82,24 @@ def frame(key: str, seq: int, data: bytes, *, retry: bool = False) -> bytes:
 
 
 async def sse_stream(stream: Stream, after: int | None, keepalive_s: float) -> AsyncIterator[bytes]:
-    """The wire bytes of ``stream`` from the event after ``after`` (``None``: all) on."""
+    """The wire bytes of ``stream`` from the event after ``after`` (``None``: all) on: one
+    write per batch the stream hands out, each event framed as :func:`frame` does."""
     first = True
+    key = stream.key.encode().replace(b"%", b"%%")
+    pattern = b"id: " + key + b"/%d\ndata: %b\n\n"  # a frame, but for its seq and data
     try:
         async for batch in stream.follow_batches(after, keepalive_s):
             if batch is None:
                 yield KEEPALIVE
                 continue
-            frames = [
-                frame(stream.key, seq, data, retry=first and i == 0)
-                for i, (seq, data) in enumerate(batch)
-            ]
-            first = False
-            yield frames[0] if len(frames) == 1 else b"".join(frames)
+            if first:
+                seq, data = batch[0]
+                first = False
+                head = frame(stream.key, seq, data, retry=True)
+                yield head + b"".join([pattern % event for event in batch[1:]])
+            elif len(batch) == 1:
+                yield pattern % batch[0]
+            else:
+                yield b"".join([pattern % event for event in batch])
     except QuantrouteError as exc:  # this client fell behind what the stream keeps
         yield b"data: " + encode(exc.to_openai()) + b"\n\n"

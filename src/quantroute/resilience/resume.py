@@ -107,7 +107,10 @@ class Stream:
             await self._moved.wait()
 
     def _floor(self) -> int:
-        return min(c[0] for c in self._cursors) if self._cursors else self._left_at
+        cursors = self._cursors
+        if len(cursors) == 1:  # the common case: the response that started it
+            return cursors[0][0]
+        return min(c[0] for c in cursors) if cursors else self._left_at
 
     def append(self, data: bytes) -> None:
         if self.done:
@@ -303,7 +306,8 @@ class StreamStore:
             if stream._stopping:
                 raise asyncio.CancelledError
             async for data in source:
-                await stream.room()
+                if stream.next_seq - stream._floor() >= stream._ahead:  # else room() is a no-op
+                    await stream.room()
                 stream.append(data)
         except asyncio.CancelledError:
             stream.append(CANCELLED)
