@@ -562,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, _on_sigterm)
     build: dict[str, Any] = {"binary": str(args.llama_server)}
+    record = None if args.llama_server is None else args.llama_server.parent / "build.json"
+    if record is not None and record.is_file():  # one our build script made: its revision
+        build = {**json.loads(record.read_text()), "binary": str(args.llama_server)}
     if args.llama_server is None and LLAMA_SERVER in args.systems:
         args.llama_server, build = llama_server_binary()
     now = dt.datetime.now().astimezone()
