@@ -7,9 +7,17 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from quantroute.engines.sampler_chain import SamplerChain, chain_seed
-from quantroute.engines.sampling import Penalties, distribution, penalize, sample
+from quantroute.engines.sampling import (
+    Penalties,
+    distribution,
+    greedy_in_place,
+    penalize,
+    sample,
+)
 
 LOGITS = [2.0, -1.0, 0.5, 3.0, -np.inf, 0.0, 1.5, -2.5]
 PROMPT = [0, 5]
@@ -223,3 +231,31 @@ def test_the_chains_greedy_is_numpys_argmax_bias_and_ban_included() -> None:
                                             (0xFFFFFFFF, 0), (2**64 - 1, 0), (7, 7)])  # fmt: skip
 def test_every_seed_the_schema_admits_is_a_seed_to_llama_cpp(seed: int | None, want: int) -> None:
     assert chain_seed(seed) == want  # 0xFFFFFFFF (LLAMA_DEFAULT_SEED) only for no seed
+
+
+_LOGIT = st.one_of(
+    st.floats(-1e4, 1e4, width=32), st.sampled_from([math.nan, -math.inf, math.inf, 3.0])
+)
+
+
+@given(
+    st.lists(_LOGIT, min_size=1, max_size=12),
+    st.dictionaries(st.integers(0, 11), st.floats(-100, 100, width=32), max_size=3),
+    st.lists(st.integers(0, 11), max_size=2),
+)
+def test_the_in_place_greedy_token_is_the_samplers(
+    logits: list[float], bias: dict[int, float], ban: list[int]
+) -> None:
+    """The worker's fast greedy path (biases and ban written into llama.cpp's row, then
+    its argmax) picks what the numpy sampler picks, nan and infinities included."""
+    row = np.array(logits, dtype=np.float32)
+    bias = {t: b for t, b in bias.items() if t < row.size}
+    ban = [t for t in ban if t < row.size]
+    ids = np.array(list(bias), dtype=np.intp) if bias else None
+    values = np.array(list(bias.values()), dtype=np.float32) if bias else None
+    reference = row.copy()  # biased in float32, as llama.cpp's row is
+    if ids is not None:
+        reference[ids] += values
+    reference[ban] = -math.inf
+    want = sample(reference, temperature=0.0, top_p=1.0, top_k=0, rng=np.random.default_rng(0))
+    assert greedy_in_place(row, ids, values, ban or None) == want.token

@@ -15,7 +15,7 @@ The chain, in order, keeps the meanings of ``engines/sampling.py``:
 3. ``frequency_penalty`` / ``presence_penalty`` (over the output only): a
    second penalties sampler that accepts only sampled tokens;
 4. with ``min_tokens``, ``-inf`` on end-of-generation, removed from the chain
-   once that many tokens are out (:meth:`SamplerChain.generated`);
+   once that many tokens are out (:meth:`SamplerChain.lift_ban`);
 5. greedy (``temperature`` below :data:`~quantroute.engines.sampling.GREEDY_BELOW`),
    else temperature, then top-k, top-p and min-p (temperature first, as
    ``sampling.py`` does), then a draw seeded by ``seed``.
@@ -83,8 +83,10 @@ class SamplerChain:
             repeat = lc.llama_sampler_init_penalties(
                 n_vocab, window, penalties.repetition, 0.0, 0.0
             )
-            for token in prompt:
-                lc.llama_sampler_accept(repeat, token)
+            # only whether a token was seen counts here (no frequency or presence term,
+            # and a window as long as the context never forgets): each distinct one once
+            for token in set(prompt):
+                lc.llama_sampler_accept(repeat, int(token))
             self._add(repeat)
         if penalties.frequency or penalties.presence:
             self._add(

@@ -33,6 +33,7 @@ top-k and top-p, ``min_p`` keeps the tokens whose probability is at least
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ __all__ = [
     "Penalties",
     "choice_of",
     "distribution",
+    "greedy_in_place",
     "log_softmax",
     "penalize",
     "sample",
@@ -151,6 +153,28 @@ def sample(
             candidates, probs = _truncated(row, temperature, top_p, top_k, min_p)
             token = int(candidates[rng.choice(probs.size, p=probs)])
     return choice_of(row, token, want_logprob=want_logprob, n_top=n_top)
+
+
+def greedy_in_place(
+    row: npt.NDArray[np.float32],  # [V], llama.cpp's own buffer: written to
+    bias_ids: npt.NDArray[np.intp] | None,
+    bias_values: npt.NDArray[np.float32] | None,
+    banned: Sequence[int] | None,
+) -> int:
+    """:func:`sample`'s greedy token, found where the row lies: the biases added and the
+    ``banned`` tokens set to ``-inf`` in ``row`` itself, then the first highest logit.
+    A ``nan`` counts as ``-inf``, and a row with nothing possible is uniform, so 0
+    (module docstring)."""
+    if bias_ids is not None and bias_values is not None:
+        row[bias_ids] += bias_values
+    if banned:
+        row[banned] = -np.inf
+    token = int(row.argmax())
+    best = row[token]
+    if best != best or best == -np.inf:  # argmax stops at the first nan; or nothing is possible
+        cleaned = np.where(np.isnan(row), -np.inf, row)
+        token = int(cleaned.argmax()) if cleaned.max() > -np.inf else 0  # all -inf: uniform
+    return token
 
 
 def choice_of(logits: FloatArray, token: int, *, want_logprob: bool, n_top: int) -> Choice:
