@@ -37,7 +37,9 @@ async def test_the_worker_pauses_for_a_slow_reader_and_resumes() -> None:
         await anext(stream)  # start
         await asyncio.sleep(1.5)  # the reader reads nothing: ~1.5 s of decoding would be >n
         buffered = next(iter(engine._streams.values())).qsize()
-        assert STREAM_HIGH_WATER <= buffered <= STREAM_HIGH_WATER + 8  # paused at the mark
+        # paused at the mark (give or take the tokens decoded while "pause" was on its way,
+        # more of them on a loaded machine)
+        assert STREAM_HIGH_WATER <= buffered <= STREAM_HIGH_WATER + 32
         await asyncio.sleep(0.5)
         assert next(iter(engine._streams.values())).qsize() == buffered  # still paused
         tokens, finish = 0, None
@@ -47,6 +49,10 @@ async def test_the_worker_pauses_for_a_slow_reader_and_resumes() -> None:
             elif isinstance(event, FinishEvent):
                 finish = event
         assert finish is not None and finish.completion_tokens == n and tokens == n
+        assert finish.held  # its timing is the reader's: routing's observed speed skips it
+        quick = GenerationRequest("quick", "def ", SamplingParams(max_tokens=8, temperature=0.0))
+        events = [event async for event in engine.generate(quick)]  # read as it comes
+        assert isinstance(events[-1], FinishEvent) and not events[-1].held
     finally:
         await engine.stop()
 

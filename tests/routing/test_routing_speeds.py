@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,7 +16,7 @@ from quantroute.routing.policy import choose
 from quantroute.routing.records import BranchState, RequestShape
 from quantroute.routing.requirement import parse_requirement
 from quantroute.routing.settings import GiB, RoutingSettings
-from quantroute.routing.speeds import ObservedSpeeds
+from quantroute.routing.speeds import ObservedSpeeds, observe_finished
 from quantroute.types import Precision
 
 S = RoutingSettings()
@@ -196,3 +197,58 @@ def test_the_spread_is_learned_and_shrinks_when_requests_steady() -> None:
         speeds.observe("b", 0.020, 65, 0.064, now=0.0)
     narrow = speeds.get("b", now=0.0)
     assert narrow is not None and narrow.ttft_dev_ms < 0.2 and narrow.tpot_dev_ms < 0.01
+
+
+def test_a_long_prompt_is_never_predicted_sooner_than_the_profile_prefills_it() -> None:
+    # short prompts taught the branch 20 ms to a first token; a 30k-token prompt takes
+    # the engine alone 1 s to prefill (30k tok/s), whatever the average says
+    seen = _branch("q4_k_m", observed_ttft_ms=20.0, observed_tpot_ms=2.0)
+    long = RequestShape(prompt_tokens=30_000, max_tokens=11)
+    (row,) = evaluate(_deadline(500), long, [seen])  # type: ignore[arg-type]
+    assert row[0] & DEADLINE and row[3] == pytest.approx(1000.0 + 10 * 2.0)
+    (row,) = evaluate(_deadline(500), SHAPE, [seen])  # type: ignore[arg-type]
+    assert not row[0] & DEADLINE and row[3] == pytest.approx(20.0 + 64 * 2.0)
+
+
+def test_the_first_token_is_timed_from_the_engine_held_or_fallen_back_answers_teach_nothing() -> (
+    None
+):
+    now = time.perf_counter()
+    # arrived 1 s ago, waited 0.9 s in the admission queue, first token 0.05 s after the
+    # engine got it, then 11 more tokens in 0.05 s
+    trace = SimpleNamespace(t0=now - 1.0, ttft_s=0.95, fallbacks=[])
+    speeds = ObservedSpeeds()
+    got = observe_finished(speeds, "m:q8_0", trace, 12, opened=now - 0.1)
+    assert got is not None
+    assert got.ttft_ms == pytest.approx(50.0, abs=5.0)  # not 950: the queue is not in it
+    assert got.tpot_ms == pytest.approx(50.0 / 11, rel=0.2)
+    # held for a slow reader: its decode time is the reader's; fell back: the first token
+    # waited for another branch's failure
+    assert observe_finished(speeds, "m:q8_0", trace, 12, opened=now - 0.1, held=True) is None
+    fell_back = SimpleNamespace(t0=now - 1.0, ttft_s=0.95, fallbacks=[("a", "b", "crash")])
+    assert observe_finished(speeds, "m:q8_0", fell_back, 12, opened=now - 0.1) is None
+    assert speeds.get("m:q8_0") == got  # unchanged by either
+
+
+async def test_a_request_a_replaced_worker_finishes_does_not_feed_its_successor() -> None:
+    app = fake_app()
+    async with serving(app) as (client, gateway):
+        r = await client.post(
+            "/v1/completions",
+            json={"model": "tiny-llama:q4_k_m", "prompt": "hello", "max_tokens": 8},
+        )
+        assert r.status_code == 200, r.text
+        before = gateway.states.speeds.get("tiny-llama:q4_k_m")
+        assert before is not None and before.samples == 1
+        branch = gateway.routes.current.models["tiny-llama"].branch("q4_k_m")
+        assert branch is not None
+        retired = replace(branch, engine=FakeEngine("retired"))  # what a reload replaced
+        trace = SimpleNamespace(t0=time.perf_counter() - 5.0, ttft_s=4.0, fallbacks=[])
+        job = SimpleNamespace(trace=trace, requests=[SimpleNamespace(prompt_ids=[1])])
+        run = SimpleNamespace(branch=retired, job=job, opened=None, held=False)
+        gateway.finished(run, [1, 2, 3])  # type: ignore[arg-type]
+        assert gateway.states.speeds.get("tiny-llama:q4_k_m") == before
+        run.branch = branch  # the same request on the worker serving now: it counts
+        gateway.finished(run, [1, 2, 3])  # type: ignore[arg-type]
+        after = gateway.states.speeds.get("tiny-llama:q4_k_m")
+        assert after is not None and after.samples == 2

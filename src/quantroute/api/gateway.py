@@ -343,7 +343,10 @@ class Gateway:
     def finished(self, run: Run, tokens: list[int]) -> None:
         """A request's first choice finished: count it, and offer it for drift replay."""
         self.popularity.record(run.branch.id)
-        observe_finished(self.states.speeds, run.branch.id, run.job.trace, len(tokens))
+        if self.serves(run.branch):  # a replaced worker's speed is not its successor's
+            observe_finished(
+                self.states.speeds, run.branch.id, run.job.trace, len(tokens), run.opened, run.held
+            )
         version = run.branch.version
         if version is not None:  # answers by version: /admin/status and metrics
             self.answered[run.branch.model] += 1

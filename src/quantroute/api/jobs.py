@@ -88,8 +88,11 @@ class Run:
         pending: list[list[EngineEvent]] | None = None,
         on_done: Callable[[Run, bool | None], None] | None = None,
         stall_timeout_s: float | None = None,
+        opened: float | None = None,
     ):
         self.job = job
+        self.opened = opened  # perf_counter when the engine got it (past the admission queue)
+        self.held = False  # the engine held a choice for its slow reader (FinishEvent.held)
         self.branch = branch
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = cached_tokens or [0] * len(prompt_tokens)  # from prompt caches
@@ -243,6 +246,7 @@ class Run:
                 self._tokens.append(event.token_id)
         elif isinstance(event, FinishEvent):
             self.job.trace.choice_finished(index, event)
+            self.held = self.held or event.held
             self._finished += 1
             self.usage_tokens += event.prompt_tokens + event.completion_tokens
             if index == 0 and self._on_finished:

@@ -121,6 +121,7 @@ class Runner:
         pending: list[list[EngineEvent]] = []
         prompt_tokens: list[int] = []
         cached_tokens: list[int] = []
+        opened = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
                 for request in job.requests:
@@ -173,6 +174,7 @@ class Runner:
             pending=pending,
             on_done=done,
             stall_timeout_s=self._settings.resilience.reader_stall_timeout_s,
+            opened=opened,
         )
 
 

@@ -130,6 +130,9 @@ class FinishEvent:
     # a traced request: the engine's wall-clock ns (time.time_ns) when it admitted the
     # sequence, gave it a slot and finished it
     worker_ns: tuple[int, ...] = ()
+    # the engine held the sequence at some point because its reader was slow (backpressure):
+    # its timing says how fast the client read, not how fast the engine decoded
+    held: bool = False
 
 
 EngineEvent = StartEvent | TokenEvent | FinishEvent

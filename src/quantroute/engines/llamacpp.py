@@ -162,6 +162,7 @@ class LlamaCppEngine:
         self._accepting = False  # the worker takes commands (the warm-up's, then everyone's)
         self._streams: dict[str, asyncio.Queue[_Item]] = {}
         self._paused: set[str] = set()  # requests the worker holds for their slow readers
+        self._held: set[str] = set()  # requests it held at some point (FinishEvent.held)
         self._reader: asyncio.Task[None] | None = None
         self._ids = itertools.count()
         self._last_line_at = time.monotonic()  # when the worker last sent anything
@@ -370,6 +371,7 @@ class LlamaCppEngine:
             stream.put_nowait(item)
             if stream.qsize() >= STREAM_HIGH_WATER and rid not in self._paused:
                 self._paused.add(rid)  # its reader is slow: stop decoding for it
+                self._held.add(rid)
                 self._post({"op": "pause", "id": rid})
 
     def _abandon(self, proc: asyncio.subprocess.Process, cause: str) -> None:
@@ -477,6 +479,7 @@ class LlamaCppEngine:
             timer.cancel()
             self._streams.pop(rid, None)
             self._paused.discard(rid)
+            self._held.discard(rid)
             if not done:
                 self._post({"op": "cancel", "id": rid})
 
@@ -608,6 +611,7 @@ class LlamaCppEngine:
                         item["ct"],
                         item["t"],
                         tuple(item.get("tm", ())),
+                        command["id"] in self._held,
                     )
 
 

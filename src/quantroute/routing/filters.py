@@ -87,13 +87,15 @@ def evaluate(
             fails |= MEMORY
         decode = b.decode_tps
         ttft = b.observed_ttft_ms
+        prefill = b.prefill_tps
         if ttft is not None:  # what requests on this branch saw lately, end to end
+            if prefill:  # never sooner than the engine alone prefills this prompt
+                ttft = max(ttft, 1000.0 * prompt / prefill)
             tpot = b.observed_tpot_ms
             if tpot is None and decode:
                 tpot = 1000.0 / decode
             service = None if tpot is None else ttft + (generate - 1 if generate else 0) * tpot
         else:
-            prefill = b.prefill_tps
             service = (
                 1000.0 * (prompt / prefill + generate / decode) if prefill and decode else None
             )

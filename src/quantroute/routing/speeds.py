@@ -4,9 +4,13 @@ The profile's ``prefill_tps`` / ``decode_tps`` are the engine's speed alone, mea
 idle; a request also pays the admission queue, the slot wait, batching with the other
 sequences and the gateway, 3-8x slower on the demo machine. :class:`ObservedSpeeds`
 keeps, per branch, an exponentially weighted mean of two figures fed when a request
-finishes (``Gateway.finished``): its time to first token (from the request's arrival)
-and its time per output token after the first. The deadline filter predicts with them
-once a branch has observations, and with the profile before (or after ``max_age_s``
+finishes (``Gateway.finished``): its time to first token (from when the engine got
+it, past the admission queue, which the deadline filter adds itself) and its time per
+output token after the first. Requests the engine held for a slow reader, and those a
+replaced worker served, are left out. The deadline filter predicts with them once a
+branch has observations, never a first token sooner than the profile's prefill of the
+request's prompt (an average of short prompts says nothing of a long one), and with
+the profile before (or after ``max_age_s``
 without one: a branch that a slow burst made look slow gets traffic again, and so new
 observations, rather than being shunned forever on old news).
 
@@ -120,15 +124,27 @@ class ObservedSpeeds:
 
 
 def observe_finished(
-    speeds: ObservedSpeeds, branch_id: str, trace: object, completion_tokens: int
+    speeds: ObservedSpeeds,
+    branch_id: str,
+    trace: object,
+    completion_tokens: int,
+    opened: float | None = None,
+    held: bool = False,
 ) -> ObservedSpeed | None:
     """Feed ``speeds`` one request that just finished on ``branch_id``, from its trace
     (``observability.requests.RequestTrace``: ``t0`` its arrival and ``ttft_s`` on the
-    ``perf_counter`` clock). A request that fell back is left out (its first token
-    waited for another branch's failure), as is one without a first token."""
+    ``perf_counter`` clock) and ``opened``, when the engine got it (``perf_counter``).
+
+    The time to first token is counted from ``opened``, past the admission queue: the
+    deadline filter adds the queue ahead of a request itself, so a figure that held the
+    queue too would count it twice. Left out: a request that fell back (its first token
+    waited for another branch's failure), one without a first token, and one the engine
+    ``held`` for its slow reader (its decode time is the client's reading time)."""
     ttft_s = getattr(trace, "ttft_s", None)
     t0 = getattr(trace, "t0", None)
-    if ttft_s is None or t0 is None or getattr(trace, "fallbacks", None):
+    if ttft_s is None or t0 is None or held or getattr(trace, "fallbacks", None):
         return None
-    decode_s = time.perf_counter() - t0 - ttft_s
-    return speeds.observe(branch_id, ttft_s, completion_tokens, decode_s)
+    first = t0 + ttft_s
+    decode_s = time.perf_counter() - first
+    since = t0 if opened is None else min(max(opened, t0), first)
+    return speeds.observe(branch_id, first - since, completion_tokens, decode_s)
