@@ -46,8 +46,13 @@ class Drains:
         """Run ``coro`` (a reload's drain and its report) as a task :meth:`close` waits for."""
         task = asyncio.get_running_loop().create_task(coro, name="reload-drain")
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
         return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # a bug: never silent
+            log.error("reload: a drain failed", exc_info=task.exception())
 
     async def drain(self, retired: Sequence[Branch]) -> int:
         """Wait for ``retired``'s requests to finish, then stop their workers; how many."""
