@@ -58,7 +58,7 @@ async def test_a_drain_does_not_block_the_next_reload_and_stops_each_worker_once
 ) -> None:
     repo = one_branch_repo(tmp_path, "q4_k_m")
     folder = repo / MODEL
-    settings = settings_for(repo, drain_quiet_s=4.0)  # every drain takes 4 s at least
+    settings = settings_for(repo, drain_quiet_s=6.0)  # every drain takes 6 s at least
     stops: Counter[int] = Counter()
     async with serving(create_app(settings)) as (client, gateway):
         reloader = gateway.reloader
@@ -75,19 +75,19 @@ async def test_a_drain_does_not_block_the_next_reload_and_stops_each_worker_once
         # the next reload runs while the first drains: an unchanged one, then a swap
         asked = time.monotonic()
         b = await reloader.reload("admin")
-        assert b.outcome == "unchanged" and time.monotonic() - asked < 3.0, b
+        assert b.outcome == "unchanged" and time.monotonic() - asked < 4.5, b
         replace_file(folder, (demo_model_dir() / "q4_k_m.gguf").read_bytes())
         write_manifest(folder, "q4_k_m")
         c = await reloader.reload("admin", wait=False)  # the watcher's way: at the swap
         assert c.outcome == "swapped" and c.generation == 2, c
-        assert time.monotonic() - asked < 3.5
+        assert time.monotonic() - asked < 5.5
         assert not a.done()  # the first drain is still waiting
         assert await answering_artifact(client) == sha256_file(folder / "main.gguf")[:16]
         assert len(reloader.status()["draining"]) == 2
 
         report = await a
         assert report.outcome == "swapped" and report.drained == 1
-        assert report.duration_s >= 4.0
+        assert report.duration_s >= 6.0
         await wait_for(lambda: not reloader.status()["draining"], 15.0)
         assert reloader.last is not None and reloader.last.generation == 2
         assert reloader.counts["swapped"] == 2 and reloader.counts["unchanged"] == 1

@@ -85,6 +85,7 @@ class Reloader:
         self._models_of: dict[Path, str] = {}  # model folder -> the model it serves
         self.counts: Counter[str] = Counter()  # reloads by outcome
         self.last: ReloadReport | None = None
+        self._last_started = self._last_failure_started = float("-inf")  # monotonic
         self.last_failure: ReloadReport | None = None
         self.hooks: list[Callable[[ReloadReport], None]] = []
         self.drains = Drains(gateway)
@@ -136,7 +137,7 @@ class Reloader:
                     [],
                 )
             if not retired:
-                return self._record(report)
+                return self._record(report, started)
             drained = self.drains.spawn(self._drained(report, retired, started))
         return await asyncio.shield(drained) if wait else report
 
@@ -145,14 +146,18 @@ class Reloader:
     ) -> ReloadReport:
         drained = await self.drains.drain(retired)
         now = time.monotonic() - started
-        return self._record(replace(report, at=time.time(), duration_s=now, drained=drained))
+        report = replace(report, at=time.time(), duration_s=now, drained=drained)
+        return self._record(report, started)
 
-    def _record(self, report: ReloadReport) -> ReloadReport:
-        """Count, keep, log and tell the hooks a finished reload."""
+    def _record(self, report: ReloadReport, started: float) -> ReloadReport:
+        """Count, keep, log and tell the hooks a finished reload. Drains overlap, so
+        reloads may finish out of order: ``last`` is the latest to have started."""
         self.counts[report.outcome] += 1
-        self.last = report
+        if started >= self._last_started:
+            self.last, self._last_started = report, started
         if report.outcome == "failed":
-            self.last_failure = report
+            if started >= self._last_failure_started:
+                self.last_failure, self._last_failure_started = report, started
             for model, why in report.failures.items():
                 log.error("reload: %s keeps its old version: %s", model, why)
         elif report.outcome == "swapped":
