@@ -21,6 +21,7 @@ from quantroute.engines.base import Engine
 from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
 from quantroute.quality.profile import load_profiles, stale_profiles
+from quantroute.registry.digests import Digests
 from quantroute.registry.manifest import BranchArtifact
 from quantroute.registry.repository import ModelEntry, RepositoryScan, scan_repository
 from quantroute.registry.signing import TrustPolicy
@@ -70,6 +71,7 @@ class Catalog:
             max_crashes=e.max_crashes,
             failed_retry_s=e.failed_retry_s,
         )
+        self.digests = Digests()  # across reloads: an unchanged file is not read again
 
     def trust(self) -> TrustPolicy:
         r = self._settings.repository
@@ -88,6 +90,7 @@ class Catalog:
             self.trust(),
             timeout_s=r.check_timeout_s,
             memory_bytes=r.check_memory_bytes,
+            digests=self.digests,
         )
 
     def build_all(self, scan: RepositoryScan) -> list[ModelBuild]:

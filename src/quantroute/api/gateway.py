@@ -217,9 +217,7 @@ class Gateway:
             self._spawn(self.residency.run(self.settings.telemetry.poll_interval_s))
         r = self.settings.repository
         if r.watch and self._given_table is None:
-            self._spawn(
-                watch_repository(self.settings.repo, self.reloader.reload, r.watch_debounce_ms)
-            )
+            self._spawn(watch_repository(self.settings.repo, self._watched, r.watch_debounce_ms))
         log.info("serving %s", ", ".join(b.id for b in branches if b.engine.ready) or "nothing")
         for b in branches:
             placement = self.occupancy.get(b.id)
@@ -273,6 +271,9 @@ class Gateway:
         )
 
     # -- reloads (api.reload decides; these wire the parts) ----------------------
+
+    async def _watched(self, trigger: str) -> None:  # the watcher does not wait for drains
+        await self.reloader.reload(trigger, wait=False)
 
     def attach(self, branches: Sequence[Branch]) -> None:
         """New branches (not yet serving): the gateway hears their engines."""

@@ -11,15 +11,25 @@ A reload (the repository watcher, or ``POST /admin/reload``) runs, per model:
    up (each engine's start does);
 4. **swap** the route table reference: requests routed from now on go to the
    new branches; those already running keep their branch;
-5. **drain** the replaced branches — wait until nothing has been in flight on
-   them for ``repository.drain_quiet_s`` (at most ``drain_timeout_s``) — and
-   **stop** them.
+5. **drain** the replaced branches, in the background (``api.drain``) — wait
+   until nothing has been in flight on them for ``repository.drain_quiet_s``
+   (at most ``drain_timeout_s``) — and **stop** them, each exactly once.
+
+A request routed before the swap that reaches its branch after it goes to the
+branch's successor in the new table (``api.runner``); a branch id the new
+table no longer has is tried on its old worker while that drains, and its
+failure is a fallback that no circuit breaker counts.
+
+A branch whose worker was stopped because its file was replaced on disk
+(``Gateway.superseded``) is never kept by a reload, even with the same
+fingerprint: it gets a new, started worker.
 
 A model whose check or start fails keeps its old routes (the old version keeps
 serving) and the failure is logged, counted by outcome and kept for
 ``GET /admin/status``. ``hooks`` are told every :class:`ReloadReport` (the
-metrics hook: observability can count ``reloads_total{outcome}`` from it).
-Reloads run one at a time.
+metrics hook: observability can count ``reloads_total{outcome}`` from it),
+once its drain is over. Reloads run one at a time up to the swap; their drains
+overlap.
 """
 
 from __future__ import annotations
@@ -29,11 +39,12 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quantroute.api.catalog import ModelBuild
+from quantroute.api.drain import Drains
 from quantroute.routing.table import Branch, ModelRoute, RouteTable
 from quantroute.routing.versions import VersionSplit
 from quantroute.telemetry.occupancy import PlacementRequest
@@ -43,8 +54,6 @@ if TYPE_CHECKING:
     from quantroute.registry.repository import RepositoryScan
 
 log = logging.getLogger(__name__)
-
-_DRAIN_POLL_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +85,10 @@ class Reloader:
         self._models_of: dict[Path, str] = {}  # model folder -> the model it serves
         self.counts: Counter[str] = Counter()  # reloads by outcome
         self.last: ReloadReport | None = None
+        self._last_started = self._last_failure_started = float("-inf")  # monotonic
         self.last_failure: ReloadReport | None = None
         self.hooks: list[Callable[[ReloadReport], None]] = []
-        self._draining: list[Branch] = []
+        self.drains = Drains(gateway)
 
     def adopt(self, scan: RepositoryScan, builds: Sequence[ModelBuild]) -> None:
         """The first table's fingerprints and folders (the gateway's start)."""
@@ -93,11 +103,14 @@ class Reloader:
             "reloads": {k: self.counts.get(k, 0) for k in ("swapped", "unchanged", "failed")},
             "last": self.last.to_json() if self.last else None,
             "last_failure": self.last_failure.to_json() if self.last_failure else None,
-            "draining": [b.id for b in self._draining],
+            "draining": [b.id for b in self.drains.branches],
         }
 
-    async def reload(self, trigger: str = "admin") -> ReloadReport:
-        """Reload the repository (see the module docstring); never raises for a bad model."""
+    async def reload(self, trigger: str = "admin", *, wait: bool = True) -> ReloadReport:
+        """Reload the repository (see the module docstring); never raises for a bad model.
+        The lock is held up to the swap; the drain runs after it, in the background.
+        ``wait``: answer once the replaced workers are stopped (the admin endpoint) rather
+        than at the swap (the watcher)."""
         async with self._lock:
             started = time.monotonic()
             try:
@@ -105,48 +118,73 @@ class Reloader:
                     raise RuntimeError(
                         "this gateway serves a route table it was given, no repository"
                     )
-                report = await self._reload(trigger, started)
+                report, retired = await self._reload(trigger, started)
             except Exception as exc:  # a bug or an unreadable repository: keep serving
                 log.error(
                     "reload (%s) failed: %s", trigger, exc, exc_info=not self._gateway.fixed_table
                 )
-                report = ReloadReport(
-                    "failed",
-                    trigger,
-                    time.time(),
-                    self._gateway.routes.current.version,
-                    time.monotonic() - started,
-                    None,
-                    time.monotonic() - started,
-                    failures={"repository": f"{type(exc).__name__}: {exc}"},
+                report, retired = (
+                    ReloadReport(
+                        "failed",
+                        trigger,
+                        time.time(),
+                        self._gateway.routes.current.version,
+                        time.monotonic() - started,
+                        None,
+                        time.monotonic() - started,
+                        failures={"repository": f"{type(exc).__name__}: {exc}"},
+                    ),
+                    [],
                 )
-            self.counts[report.outcome] += 1
-            self.last = report
-            if report.outcome == "failed":
-                self.last_failure = report
-                for model, why in report.failures.items():
-                    log.error("reload: %s keeps its old version: %s", model, why)
-            elif report.outcome == "swapped":
-                log.info(
-                    "reload: generation %d serves (%s) in %.3f s",
-                    report.generation,
-                    ", ".join(report.swapped) or "profiles",
-                    report.swap_s or 0.0,
-                )
-            for hook in self.hooks:
-                try:
-                    hook(report)
-                except Exception:
-                    log.exception("reload hook failed")
-            return report
+            if not retired:
+                return self._record(report, started)
+            drained = self.drains.spawn(self._drained(report, retired, started))
+        return await asyncio.shield(drained) if wait else report
 
-    async def _reload(self, trigger: str, started: float) -> ReloadReport:
+    async def _drained(
+        self, report: ReloadReport, retired: list[Branch], started: float
+    ) -> ReloadReport:
+        drained = await self.drains.drain(retired)
+        now = time.monotonic() - started
+        report = replace(report, at=time.time(), duration_s=now, drained=drained)
+        return self._record(report, started)
+
+    def _record(self, report: ReloadReport, started: float) -> ReloadReport:
+        """Count, keep, log and tell the hooks a finished reload. Drains overlap, so
+        reloads may finish out of order: ``last`` is the latest to have started."""
+        self.counts[report.outcome] += 1
+        if started >= self._last_started:
+            self.last, self._last_started = report, started
+        if report.outcome == "failed":
+            if started >= self._last_failure_started:
+                self.last_failure, self._last_failure_started = report, started
+            for model, why in report.failures.items():
+                log.error("reload: %s keeps its old version: %s", model, why)
+        elif report.outcome == "swapped":
+            log.info(
+                "reload: generation %d serves (%s) in %.3f s",
+                report.generation,
+                ", ".join(report.swapped) or "profiles",
+                report.swap_s or 0.0,
+            )
+        for hook in self.hooks:
+            try:
+                hook(report)
+            except Exception:
+                log.exception("reload hook failed")
+        return report
+
+    async def _reload(self, trigger: str, started: float) -> tuple[ReloadReport, list[Branch]]:
         gateway = self._gateway
         scan = await asyncio.to_thread(gateway.catalog.scan)  # validate + verify, off the loop
         check_s = time.monotonic() - started
         current = gateway.routes.current
         failures: dict[str, str] = {}
-        keep = {b.id: (self.fingerprints.get(b.id, ""), b.engine) for b in current.branches()}
+        keep = {  # a worker stopped for a file replaced on disk is not kept: it gets a new one
+            b.id: (self.fingerprints.get(b.id, ""), b.engine)
+            for b in current.branches()
+            if b.id not in gateway.superseded
+        }
         n_workers = sum(len(v) for m in scan.models for v in m.versions)
         builds: list[ModelBuild] = []
         for entry in scan.models:
@@ -177,7 +215,8 @@ class Reloader:
         builds: list[ModelBuild],
         fresh: list[Branch],
         failures: dict[str, str],
-    ) -> ReloadReport:
+    ) -> tuple[ReloadReport, list[Branch]]:
+        """Swap in the new table; the report at the swap, and the branches to drain."""
         gateway = self._gateway
         current = gateway.routes.current
 
@@ -205,17 +244,17 @@ class Reloader:
         if not swapped and _view(table) == _view(current):
             outcome = "failed" if failures else "unchanged"
             now = time.monotonic() - started
-            return ReloadReport(
+            report = ReloadReport(
                 outcome, trigger, time.time(), current.version, check_s, None, now, (), failures
             )
+            return report, []
         gateway.swap(table, retired)
         swap_s = time.monotonic() - started
         self.fingerprints = fingerprints
         self._models_of = {
             m.directory: m.manifest.model for m in scan.models if m.manifest.model in built
         } | {d: m for d, m in self._models_of.items() if m in failures and m not in built}
-        drained = await self._drain(retired, {b.id for b in table.branches()})
-        return ReloadReport(
+        report = ReloadReport(
             "failed" if failures else "swapped",
             trigger,
             time.time(),
@@ -225,8 +264,8 @@ class Reloader:
             time.monotonic() - started,
             tuple(swapped),
             failures,
-            drained,
         )
+        return report, retired
 
     async def _start(
         self, builds: list[ModelBuild], fresh: list[Branch], failures: dict[str, str]
@@ -264,45 +303,9 @@ class Reloader:
                 occupancy.restore(b.id, before.get(b.id))
         return ok
 
-    async def _drain(self, retired: list[Branch], still_served: set[str]) -> int:
-        """Wait for the replaced branches' requests to finish, then stop their workers."""
-        if not retired:
-            return 0
-        settings = self._gateway.settings.repository
-        self._draining += retired
-        deadline = time.monotonic() + settings.drain_timeout_s
-        quiet_since: float | None = None
-        try:
-            while True:
-                now = time.monotonic()
-                busy = sum(b.engine.in_flight for b in retired)
-                if busy:
-                    quiet_since = None
-                elif quiet_since is None:
-                    quiet_since = now
-                if quiet_since is not None and now - quiet_since >= settings.drain_quiet_s:
-                    break
-                if now >= deadline:
-                    log.warning(
-                        "reload: %d requests still on the replaced branches after %.0f s; "
-                        "stopping them",
-                        busy,
-                        settings.drain_timeout_s,
-                    )
-                    break
-                await asyncio.sleep(_DRAIN_POLL_S)
-            for b in retired:
-                await b.engine.stop()
-                if b.id not in still_served:
-                    self._gateway.forget(b.id)
-        finally:
-            self._draining = [b for b in self._draining if b not in retired]
-        return len(retired)
-
     async def stop(self) -> None:
         """Stop the workers still draining (the gateway is stopping)."""
-        for b in list(self._draining):
-            await b.engine.stop()
+        await self.drains.close()
 
 
 def _view(table: RouteTable) -> object:

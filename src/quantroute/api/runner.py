@@ -5,6 +5,12 @@ choice's first token: until then a failure of the branch moves the request to
 the decision's next branch, within the retry budget, and counts against the
 branch's circuit breaker; afterwards an error ends the stream. Every way out
 gives the job's admission ticket back and counts the tenant's tokens.
+
+A job routed before a reload's swap may reach a branch after it: a branch the
+new table serves with another worker is run on that worker (its successor);
+one the table no longer has is tried on its old worker while it drains, and
+its failure (the worker stopped) moves on like any other, counted by no
+circuit breaker.
 """
 
 from __future__ import annotations
@@ -57,8 +63,10 @@ class Runner:
         retries = 0
         last: EngineError | None = None
         tried = 0
+        retired = False  # a branch that failed was one a reload had replaced
         try:
-            for branch in job.branches:
+            for routed in job.branches:
+                branch = _successor(gateway, routed)
                 if not gateway.breakers.acquire(branch.id):
                     job.trace.skipped(branch, "breaker_open")
                     continue  # open: its own rejection, never counted as a failure
@@ -77,11 +85,13 @@ class Runner:
                     exc.param = "messages" if job.kind == "chat" else "prompt"
                     raise
                 except EngineError as exc:
-                    if isinstance(exc, DeviceOutOfMemoryError):
+                    if isinstance(exc, DeviceOutOfMemoryError) or not gateway.serves(branch):
                         # the device's state, not the branch's fault: residency and the memory
                         # filter deal with it, and a breaker would keep the one branch that
-                        # still fits shut for its open time after memory is back
+                        # still fits shut for its open time after memory is back. Or a worker
+                        # a reload replaced: its end is not its successor's failure
                         gateway.breakers.release(branch.id)
+                        retired = retired or not gateway.serves(branch)
                     else:
                         gateway.breakers.failure(branch.id)
                     job.trace.attempt_failed(branch, exc)
@@ -103,7 +113,7 @@ class Runner:
             raise
         budget.finish(retries)
         self.abandon(job)
-        if last is not None and len(job.branches) == 1:
+        if last is not None and len(job.branches) == 1 and not retired:
             raise last
         raise ServiceUnavailableError(
             f"every branch of {job.decision.model} failed or is shedding load; retry later",
@@ -176,6 +186,13 @@ class Runner:
             stall_timeout_s=self._settings.resilience.reader_stall_timeout_s,
             opened=opened,
         )
+
+
+def _successor(gateway: Gateway, branch: Branch) -> Branch:
+    """The branch the table serves ``branch``'s id with now (``branch`` itself if it no
+    longer has that id): a job routed before a reload runs on the new worker."""
+    route = gateway.routes.current.models.get(branch.model)
+    return (route.branch(branch.name) if route is not None else None) or branch
 
 
 def _committed(events: list[EngineEvent]) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from quantroute.registry.digests import Digests
 from quantroute.registry.gguf_check import GgufSummary, check_gguf, check_gguf_isolated
 from quantroute.registry.manifest import (
     MANIFEST_NAME,
@@ -27,6 +28,7 @@ __all__ = [
     "SIGNATURE_NAME",
     "BranchArtifact",
     "BranchSpec",
+    "Digests",
     "EngineOptions",
     "GgufSummary",
     "Manifest",

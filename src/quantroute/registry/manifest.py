@@ -22,7 +22,6 @@ anything runs it. See docs/repository.md.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,6 +31,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from quantroute.errors import ArtifactIntegrityError, ManifestError
+from quantroute.registry.digests import Digests
+from quantroute.registry.digests import sha256_file as sha256_file  # its old home
 from quantroute.registry.gguf_check import check_gguf
 from quantroute.types import Precision
 
@@ -249,17 +250,6 @@ class BranchArtifact:
         return self.model if self.version is None else f"{self.model}@{self.version}"
 
 
-def sha256_file(path: Path, chunk_bytes: int = 4 << 20) -> str:
-    """The file's sha256, streamed (a few MiB in memory, whatever its size)."""
-    digest = hashlib.sha256()
-    buffer = bytearray(chunk_bytes)
-    view = memoryview(buffer)
-    with path.open("rb", buffering=0) as fh:
-        while n := fh.readinto(buffer):
-            digest.update(view[:n])
-    return digest.hexdigest()
-
-
 def load_manifest(model_dir: Path) -> Manifest:
     """Parse and validate ``model_dir/quantroute.yaml``; a :class:`ManifestError` names
     the file, the field and the problem (up to three of them)."""
@@ -294,12 +284,13 @@ def check_artifacts(
     isolated: bool = False,
     timeout_s: float | None = None,
     memory_bytes: int | None = None,
+    digests: Digests | None = None,
 ) -> list[BranchArtifact]:
     """Every branch's file of ``version`` (``None``: the top-level branches), checked:
-    exists, matches its sha256, has a sound GGUF header
-    (:func:`~quantroute.registry.gguf_check.check_gguf`; with ``isolated``, in a child
-    process bounded in time and memory). A bad file fails its branch alone
-    (``problem``); the reference comes first."""
+    exists, matches its sha256 (read through ``digests``: see ``registry.digests``),
+    has a sound GGUF header (:func:`~quantroute.registry.gguf_check.check_gguf`; with
+    ``isolated``, in a child process bounded in time and memory). A bad file fails its
+    branch alone (``problem``); the reference comes first."""
     from quantroute.registry.gguf_check import check_gguf_isolated
 
     reference, branches = manifest.version_spec(version)
@@ -321,7 +312,7 @@ def check_artifacts(
         else:
             st = path.stat()
             size, file_id = st.st_size, (st.st_dev, st.st_ino, st.st_mtime_ns)
-            digest = sha256_file(path)
+            digest = (digests or Digests()).sha256(path)
             after = path.stat()
             if (after.st_dev, after.st_ino, after.st_mtime_ns) != file_id:
                 problem = f"{label}:{name}: {spec.file} changed while it was being checked"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantroute.errors import ConfigError, ManifestError
+from quantroute.registry.digests import Digests
 from quantroute.registry.manifest import (
     MANIFEST_NAME,
     BranchArtifact,
@@ -57,10 +58,14 @@ def scan_repository(
     isolated: bool = True,
     timeout_s: float | None = None,
     memory_bytes: int | None = None,
+    digests: Digests | None = None,
 ) -> RepositoryScan:
     """Every model of ``repo``: its manifest validated, its signature verified under
     ``trust``, every version's files checked (sha256, then the GGUF header in a
-    bounded child process unless ``isolated`` is false)."""
+    bounded child process unless ``isolated`` is false). Each file is read once
+    (``digests``, kept across scans by a caller that scans again: ``registry.digests``)."""
+    digests = digests or Digests()
+    digests.begin()
     models: list[ModelEntry] = []
     problems: list[str] = []
     failed: list[Path] = []
@@ -68,7 +73,12 @@ def scan_repository(
     for directory in model_dirs(repo):
         try:
             entry = scan_model(
-                directory, trust, isolated=isolated, timeout_s=timeout_s, memory_bytes=memory_bytes
+                directory,
+                trust,
+                isolated=isolated,
+                timeout_s=timeout_s,
+                memory_bytes=memory_bytes,
+                digests=digests,
             )
             if entry.manifest.model in seen:
                 raise ManifestError(f"model {entry.manifest.model} is declared twice")
@@ -92,14 +102,21 @@ def scan_model(
     isolated: bool = True,
     timeout_s: float | None = None,
     memory_bytes: int | None = None,
+    digests: Digests | None = None,
 ) -> ModelEntry:
     """One model folder, as :func:`scan_repository` checks it; raises
     :class:`ManifestError` (or its :class:`ArtifactIntegrityError`) for a bad manifest
     or signature; a bad file is its branch's ``problem``."""
     manifest = load_manifest(directory)
-    signature = verify_model(directory, trust or TrustPolicy())
+    digests = digests or Digests()
+    signature = verify_model(directory, trust or TrustPolicy(), digests)
     versions = check_versions(
-        directory, manifest, isolated=isolated, timeout_s=timeout_s, memory_bytes=memory_bytes
+        directory,
+        manifest,
+        isolated=isolated,
+        timeout_s=timeout_s,
+        memory_bytes=memory_bytes,
+        digests=digests,
     )
     return ModelEntry(
         directory, manifest, tuple(versions[0]), tuple(map(tuple, versions)), signature

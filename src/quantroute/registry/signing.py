@@ -16,7 +16,10 @@ What is left out of the signature: the signature itself, and what
 ``quantroute profile`` writes later (``profile.json``, ``profile.png``).
 Files not named in the signature are not hashed on verifying (a new file
 only matters once the signed manifest names it, and then the manifest
-changed). ``repository.require_signatures`` makes an unsigned or unverifiable
+changed). Verifying reads each file through the scan's
+:class:`~quantroute.registry.digests.Digests`, so the signature and the
+manifest's sha256s share one read of each file.
+``repository.require_signatures`` makes an unsigned or unverifiable
 model a refused one; without it, a model with no ``model.sig`` is served
 unsigned, but a signature that is there must verify.
 """
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from quantroute.errors import ArtifactIntegrityError
+from quantroute.registry.digests import Digests
 
 if TYPE_CHECKING:
     from model_signing import hashing
@@ -54,11 +58,34 @@ class TrustPolicy:
         return self.public_key is not None or self.sigstore_identity is not None
 
 
-def _hashing() -> hashing.Config:
+def _hashing(digests: Digests | None = None) -> hashing.Config:
+    """model-signing's default serialization (a sha256 per file), ignoring what is
+    unsigned; with ``digests``, each file's sha256 is asked of it (read once a scan)."""
     from model_signing import hashing
 
     config = hashing.Config()  # type: ignore[no-untyped-call]
-    return config.set_ignored_paths(paths=list(UNSIGNED_FILES))
+    config = config.set_ignored_paths(paths=list(UNSIGNED_FILES))
+    if digests is not None:
+        _read_through(config, digests)
+    return config
+
+
+def _read_through(config: hashing.Config, digests: Digests) -> None:
+    """Give ``config`` a file hasher that asks ``digests``: the same sha256 of the
+    file's bytes that model-signing's default one computes (``"sha256"``, per file),
+    so a signature made with the default verifies. model-signing (pinned, 1.1.1) has
+    no public hook for a hasher: this sets its serializer, as
+    ``use_file_serialization`` does."""
+    from model_signing._hashing import hashing as digest
+    from model_signing._hashing import io, memory
+    from model_signing._serialization import file
+
+    class Known(io.SimpleFileHasher):
+        def compute(self) -> digest.Digest:
+            value = bytes.fromhex(digests.sha256(self._file))
+            return digest.Digest(self.digest_name, value)
+
+    config._serializer = file.Serializer(lambda path: Known(path, memory.SHA256()))
 
 
 def sign_model(
@@ -90,7 +117,9 @@ def sign_model(
     return target
 
 
-def verify_model(model_dir: Path, policy: TrustPolicy) -> str | None:
+def verify_model(
+    model_dir: Path, policy: TrustPolicy, digests: Digests | None = None
+) -> str | None:
     """Check ``model_dir``'s signature under ``policy``: what verified it, in words, or
     ``None`` for an unsigned model that ``policy`` does not require to be signed.
     Raises :class:`ArtifactIntegrityError` for a signature that does not verify (a
@@ -113,7 +142,8 @@ def verify_model(model_dir: Path, policy: TrustPolicy) -> str | None:
     from model_signing import verifying
 
     config = verifying.Config()  # type: ignore[no-untyped-call]
-    config = config.set_hashing_config(_hashing()).set_ignore_unsigned_files(True)
+    config = config.set_hashing_config(_hashing(digests or Digests()))
+    config = config.set_ignore_unsigned_files(True)
     if policy.public_key is not None:
         config = config.use_elliptic_key_verifier(public_key=policy.public_key)
         how = f"EC key {policy.public_key.name}"

@@ -1,0 +1,88 @@
+"""Files' sha256s: read once per scan, and not again while a file is unchanged.
+
+A scan verifies a model twice over: its signature (``model-signing`` hashes
+every signed file) and its manifest (each branch's declared sha256). Both ask
+one :class:`Digests`, so a scan reads each file once. The gateway keeps its
+``Digests`` across reloads, and a later scan trusts a digest it already has
+when the file's identity is the one that was read: the same device, inode,
+size, mtime and ctime (nanoseconds). A rename over the file is a new inode; a
+write into it moves mtime and ctime; ``touch -d`` can set mtime back but not
+ctime, which only the kernel sets.
+
+The one gap is the timestamps' granularity (a write in the same clock tick as
+the read leaves them alone): like git's "racy" index entries, a digest read
+while the file had changed in the last :data:`RACY_S` seconds serves only the
+scan that read it; the next scan reads the file again, and trusts that digest
+once the file has been still for ``RACY_S`` when read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+RACY_S = 2.0  # a file changed this recently may change again with the same timestamps
+
+
+def sha256_file(path: Path, chunk_bytes: int = 4 << 20) -> str:
+    """The file's sha256, streamed (a few MiB in memory, whatever its size)."""
+    digest = hashlib.sha256()
+    buffer = bytearray(chunk_bytes)
+    view = memoryview(buffer)
+    with path.open("rb", buffering=0) as fh:
+        while n := fh.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What changes whenever a file's bytes may have: device, inode, size, mtime, ctime."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@dataclass(frozen=True, slots=True)
+class _Known:
+    identity: tuple[int, int, int, int, int]
+    sha256: str
+    settled: bool  # the file had been still for RACY_S when it was read
+    scan: int
+
+
+class Digests:
+    """sha256s by file (thread-safe: ``model-signing`` hashes in threads)."""
+
+    def __init__(self) -> None:
+        self._known: dict[Path, _Known] = {}
+        self._scan = 0
+        self._lock = threading.Lock()
+        self.reads = 0  # files read whole (the rest were known)
+
+    def begin(self) -> None:
+        """A new scan: digests of files not yet settled are read again."""
+        with self._lock:
+            self._scan += 1
+            self._known = {p: k for p, k in self._known.items() if k.settled}
+
+    def sha256(self, path: Path) -> str:
+        path = Path(path).resolve()
+        before = path.stat()
+        key = identity(before)
+        with self._lock:
+            known = self._known.get(path)
+            fresh = known is not None and (known.settled or known.scan == self._scan)
+            if known is not None and fresh and known.identity == key:
+                return known.sha256
+        started = time.time_ns()
+        digest = sha256_file(path)
+        after = identity(path.stat())
+        with self._lock:
+            self.reads += 1
+            if after == key:  # not changed while it was read
+                last_change = max(before.st_mtime_ns, before.st_ctime_ns)
+                settled = started - last_change >= RACY_S * 1e9
+                self._known[path] = _Known(key, digest, settled, self._scan)
+        return digest
