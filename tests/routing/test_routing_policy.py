@@ -8,6 +8,9 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from quantroute.errors import ServiceUnavailableError
 from quantroute.routing.policy import Decision, choose, explain
@@ -527,3 +530,71 @@ def test_a_reused_ranking_equals_one_computed_afresh() -> None:
                 except ServiceUnavailableError as exc:
                     outcomes.append(("503", str(exc), exc.retry_after_s))
             assert outcomes[0] == outcomes[1] == outcomes[2]
+
+
+# What a request, a poll or a breaker can change in one branch's record between decisions.
+_CHURN = {
+    "running": st.integers(0, 6),
+    "queued": st.integers(0, 3),
+    "ready": st.booleans(),
+    "breaker_open": st.booleans(),
+    "degraded": st.booleans(),
+    "recent_rate": st.sampled_from([0.0, 0.5, 40.0]),
+    "observed_ttft_ms": st.sampled_from([None, 5.0, 80.0]),
+    "observed_tpot_ms": st.sampled_from([None, 0.5, 4.0]),
+    "observed_ttft_dev_ms": st.sampled_from([0.0, 30.0]),
+    "device_free_bytes": st.sampled_from([1 * GiB, 6 * GiB, 16 * GiB, 40 * 2**20]),
+    "device_health": st.sampled_from([0.0, 0.5, 1.0]),
+    "heat": st.sampled_from([0.0, 0.7]),
+    "mean_kld": st.sampled_from([None, 0.0002, 0.003, 0.2]),  # moves the fidelity ladder
+    "mean_service_ms": st.sampled_from([None, 20.0, 900.0]),
+}
+_REPLICAS = ("f16", "q8_0", "q4_k_m", "f16@1", "q8_0@1", "q4_k_m@1")
+_MARGIN = S.model_copy(update={"speeds": S.speeds.model_copy(update={"margin_deviations": 2})})
+
+
+def _outcome(branches: Any, requirement: Requirement, shape: RequestShape, s: Any) -> Any:
+    try:
+        d = choose(MODEL, requirement, shape, branches, s)
+    except ServiceUnavailableError as exc:
+        return ("503", str(exc), exc.retry_after_s)
+    return (d.branch_ids, d.reason, d.wait_s, [e.to_dict() for e in d.explanations])
+
+
+@hsettings(max_examples=150, deadline=None)
+@given(
+    changes=st.lists(
+        st.tuples(
+            st.integers(0, len(_REPLICAS) - 1),
+            st.dictionaries(st.sampled_from(sorted(_CHURN)), st.none(), min_size=1, max_size=2),
+            st.data(),
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    tier=st.sampled_from([None, "exact", "high", "balanced", "fast"]),
+    deadline=st.sampled_from([None, "40", "400"]),
+    shape=st.sampled_from([RequestShape(16, 8, "a"), RequestShape(512, 256, "p")]),
+    margin=st.booleans(),
+)
+def test_a_ranking_updated_under_churn_equals_one_computed_afresh(
+    changes: list[tuple[int, dict[str, None], Any]],
+    tier: str | None,
+    deadline: str | None,
+    shape: RequestShape,
+    margin: bool,
+) -> None:
+    """Under churn a new states tuple differs from the last in a record or two (the others
+    the same objects), and ``choose`` filters and scores only those again; whatever changed
+    (load, readiness, breakers, memory, speeds, the fidelity ladder), the decision and every
+    explanation must be what a fresh computation (a list, never reused) gives."""
+    s = _MARGIN if margin else S
+    requirement = req(tier, deadline)
+    states = tuple(branch(name, 16 * GiB, running=1) for name in _REPLICAS)
+    _outcome(states, requirement, shape, s)  # the ranking the first change updates
+    for k, fields, data in changes:
+        new = {f: data.draw(_CHURN[f], label=f) for f in fields}
+        states = (*states[:k], replace(states[k], **new), *states[k + 1 :])
+        assert _outcome(states, requirement, shape, s) == _outcome(
+            list(states), requirement, shape, s
+        )

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from qrtest import fake_table
 from quantroute.engines.fake import FakeEngine
 from quantroute.resilience import Breakers
@@ -13,7 +16,7 @@ from quantroute.routing.policy import choose
 from quantroute.routing.records import RequestShape
 from quantroute.routing.requirement import parse_requirement
 from quantroute.routing.settings import GiB, RoutingSettings
-from quantroute.routing.states import BranchStates, RecentRate
+from quantroute.routing.states import BranchStates, RecentRate, _steps
 from quantroute.telemetry import HealthTracker, MarginPolicy
 from quantroute.telemetry.memory import Footprint
 from quantroute.telemetry.occupancy import Placement
@@ -174,3 +177,26 @@ def test_a_request_rereads_load_and_breakers_at_once_and_the_rest_when_its_stamp
     big = RequestShape(24 * GiB // 2048, 16)
     fits = choose("tiny-llama", requirement, big, now, settings)
     assert fits.reason == "best-effort"  # nothing fits: the tier's best effort
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    events=st.lists(
+        st.tuples(st.floats(0.0, 400.0), st.booleans(), st.sampled_from(["a", "b"])),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_cached_rate_steps_equal_the_steps_of_the_rate_now(
+    events: list[tuple[float, bool, str]],
+) -> None:
+    """``steps_now`` keeps a branch's step until its decaying rate leaves it; at any later
+    time, with requests in between or not, it must equal ``_steps(rate)`` computed now."""
+    rates = RecentRate(window_s=60.0)
+    now = 1000.0
+    for gap, request, branch_id in sorted(events, key=lambda e: e[0]):
+        now += gap / 10.0
+        if request:
+            rates.record(branch_id, now)
+        for b in ("a", "b", "never"):
+            assert rates.steps_now(now)(b) == _steps(rates.rate(b, now))

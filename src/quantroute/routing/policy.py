@@ -70,11 +70,14 @@ from quantroute.routing.requirement import Requirement
 from quantroute.routing.score import (
     BITS,
     TERMS,
+    Ladder,
     Regime,
     fidelity_key,
+    fidelity_ladder,
     reference_bits,
     regime,
     score_branches,
+    score_some,
     weights,
 )
 from quantroute.routing.settings import RoutingSettings
@@ -246,12 +249,55 @@ def pinned(model: str, branch_id: str, *, ready: bool, retry_after_s: float) -> 
     return Decision(model, (branch_id,), "pinned", pinned=True)
 
 
-# The last ranking per (requirement, prompt and output size), reused while the states are
-# the same tuple (``BranchStates.read`` returns the same one while no record changed) and
-# the settings the same object: filters and scores are pure, so they would come out equal.
-# A list of states is never reused (it could have been edited in place).
+# The last ranking per (requirement, prompt and output size). While the states are the
+# same tuple (``BranchStates.read`` returns the same one while no record changed) and the
+# settings the same object, it is reused whole: filters and scores are pure, so they would
+# come out equal. When some records changed (a new tuple of the same branches, most records
+# the same objects: a request moved one branch's load), only those are filtered and scored
+# again (:func:`_update`). A list of states is never reused (it could be edited in place).
 _RANKED_MAX = 256
-_ranked: dict[tuple[Requirement, int, int], tuple[Any, ...]] = {}
+_ranked: dict[tuple[Requirement, int, int], _Ranked] = {}
+
+
+class _Ranked:
+    """One ranking and what it was computed from."""
+
+    __slots__ = (
+        "branches",
+        "feasible",
+        "keys",
+        "ladder",
+        "ranking",
+        "rows",
+        "safe",
+        "scored",
+        "settings",
+        "slot",
+    )
+
+    def __init__(
+        self,
+        branches: Sequence[BranchState],
+        settings: RoutingSettings,
+        rows: list[Row],
+        feasible: list[int],
+        slot: list[int],
+        ladder: Ladder,
+        scored: list[tuple[float, tuple[float, ...]]],
+        keys: list[tuple[float, str, int]],
+        ranking: tuple[int, ...],
+        safe: int,
+    ) -> None:
+        self.branches = branches
+        self.settings = settings
+        self.rows = rows
+        self.feasible = feasible
+        self.slot = slot  # per branch: its place in ``feasible``, -1 when infeasible
+        self.ladder = ladder
+        self.scored = scored
+        self.keys = keys  # per feasible branch: its sort key (-score, id, place)
+        self.ranking = ranking
+        self.safe = safe
 
 
 def choose(
@@ -271,29 +317,32 @@ def choose(
     """
     size = (requirement, request.prompt_tokens, request.max_tokens)
     memo = _ranked.get(size) if type(branches) is tuple else None
-    if memo is not None and memo[0] is branches and memo[1] is settings:
-        _, _, rows, feasible, scored, ranking, safe = memo
+    if memo is not None and memo.settings is settings:
+        if memo.branches is not branches:
+            memo = _update(memo, requirement, request, branches, settings)
     else:
+        memo = None
+    if memo is None:
         rows = filters.evaluate(requirement, request, branches)
         feasible = [i for i, row in enumerate(rows) if not row[0]]
         if not feasible:
             return _nothing_feasible(model, requirement, request, branches, rows, settings)
-        scored = score_branches(requirement, branches, rows, feasible, settings)
+        ladder = fidelity_ladder(branches, feasible)
         n = len(feasible)
-        if n == 1:
-            ranking, safe = (0,), 1
-        else:  # best score first; equal scores by id, so the input order never matters
-            ids = [branches[i].id for i in feasible]
-            ranking = tuple(
-                r[2] for r in sorted(zip([-s[0] for s in scored], ids, range(n), strict=True))
-            )
-            ranking, safe = _by_margin(
-                requirement, request, branches, rows, feasible, ranking, settings
-            )
+        scored = score_some(requirement, branches, rows, feasible, range(n), ladder, settings)
+        keys = [
+            (-s[0], branches[i].id, j)
+            for j, (i, s) in enumerate(zip(feasible, scored, strict=True))
+        ]
+        memo = _ranked_from(
+            requirement, request, branches, settings, rows, feasible, ladder, scored, keys
+        )
         if type(branches) is tuple:
             if len(_ranked) >= _RANKED_MAX:
                 _ranked.clear()
-            _ranked[size] = (branches, settings, rows, feasible, scored, ranking, safe)
+            _ranked[size] = memo
+    rows, feasible, scored = memo.rows, memo.feasible, memo.scored
+    ranking, safe = memo.ranking, memo.safe
     order = list(ranking)
     n = len(order)
 
@@ -318,6 +367,86 @@ def choose(
         reason += "+affinity"
     trace = _Trace(requirement, request, branches, rows, feasible, scored, chosen, settings)
     return Decision(model, tuple([branches[i].id for i in chosen]), reason, None, False, trace)
+
+
+def _ranked_from(
+    requirement: Requirement,
+    request: RequestShape,
+    branches: Sequence[BranchState],
+    settings: RoutingSettings,
+    rows: list[Row],
+    feasible: list[int],
+    ladder: Ladder,
+    scored: list[tuple[float, tuple[float, ...]]],
+    keys: list[tuple[float, str, int]],
+) -> _Ranked:
+    """The ranking of scored feasible branches: best score first, equal scores by id (so
+    the input order never matters), then those meeting the deadline with a margin first."""
+    n = len(feasible)
+    if n == 1:
+        ranking: tuple[int, ...] = (0,)
+        safe = 1
+    else:
+        ranking = tuple([k[2] for k in sorted(keys)])
+        ranking, safe = _by_margin(
+            requirement, request, branches, rows, feasible, ranking, settings
+        )
+    slot = [-1] * len(branches)
+    for j, i in enumerate(feasible):
+        slot[i] = j
+    return _Ranked(branches, settings, rows, feasible, slot, ladder, scored, keys, ranking, safe)
+
+
+def _update(
+    memo: _Ranked,
+    requirement: Requirement,
+    request: RequestShape,
+    branches: Sequence[BranchState],
+    settings: RoutingSettings,
+) -> _Ranked | None:
+    """``memo`` brought up to ``branches`` by filtering and scoring again only the records
+    that are not the very objects it was computed from; ``None`` when that would not give
+    what a fresh computation gives: other branches, or a changed record that changes the
+    feasible set or the fidelity ladder (its model, precision, reference flag, mean KLD)."""
+    old = memo.branches
+    if len(old) != len(branches):
+        return None
+    changed = [k for k, b in enumerate(branches) if b is not old[k]]
+    if 2 * len(changed) > len(branches):
+        return None  # most records moved: a fresh computation is as cheap
+    fresh = filters.evaluate(requirement, request, [branches[k] for k in changed])
+    slot = memo.slot
+    which = []
+    for k, row in zip(changed, fresh, strict=True):
+        a, b = old[k], branches[k]
+        if (
+            (slot[k] < 0) != bool(row[0])
+            or b.id != a.id
+            or b.model != a.model
+            or b.precision is not a.precision
+            or b.is_reference != a.is_reference
+            or b.mean_kld != a.mean_kld
+        ):
+            return None
+        if slot[k] >= 0:
+            which.append(slot[k])
+    rows = memo.rows.copy()
+    for k, row in zip(changed, fresh, strict=True):
+        rows[k] = row
+    feasible = memo.feasible
+    scored = memo.scored.copy()
+    keys = memo.keys.copy()
+    if which:
+        again = score_some(requirement, branches, rows, feasible, which, memo.ladder, settings)
+        for j, s in zip(which, again, strict=True):
+            scored[j] = s
+            keys[j] = (-s[0], keys[j][1], j)
+    out = _ranked_from(
+        requirement, request, branches, settings, rows, feasible, memo.ladder, scored, keys
+    )
+    size = (requirement, request.prompt_tokens, request.max_tokens)
+    _ranked[size] = out
+    return out
 
 
 def _by_margin(

@@ -47,6 +47,8 @@ class RecentRate:
     def __init__(self, window_s: float = RATE_WINDOW_S):
         self._window_s = window_s
         self._rates: dict[str, tuple[float, float]] = {}  # id -> (rate at last use, last use)
+        # id -> (the _rates entry it was computed from, its step, from, until): steps_now
+        self._stepped: dict[str, tuple[tuple[float, float], float, float, float]] = {}
 
     def record(self, branch_id: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -70,6 +72,30 @@ class RecentRate:
             return 0.0 if got is None or not got[1] else got[0] * exp((got[1] - now) / window)
 
         return rate
+
+    def steps_now(self, now: float) -> Callable[[str], float]:
+        """``_steps(rate(branch_id, now))`` for one ``now``, the stepped rate routing keys its
+        records on. A branch's rate only decays between its requests, so its step holds
+        until a time worked out when it was last computed; until then (and until the next
+        request replaces the branch's entry) it is returned without an ``exp`` or a ``log``."""
+        rates = self._rates
+        cache = self._stepped
+        window = self._window_s
+        exp = math.exp
+
+        def stepped(branch_id: str) -> float:
+            got = rates.get(branch_id)
+            if got is None or not got[1]:
+                return 0.0
+            hit = cache.get(branch_id)
+            if hit is not None and hit[0] is got and hit[2] <= now < hit[3]:
+                return hit[1]
+            rate = got[0] * exp((got[1] - now) / window)
+            step = _steps(rate)
+            cache[branch_id] = (got, step, now, now + window * _step_life(rate, step))
+            return step
+
+        return stepped
 
     def last_used(self, branch_id: str) -> float:
         """Monotonic time of the branch's last request; 0 if never."""
@@ -168,7 +194,7 @@ class BranchStates:
                 for gone in [k for k in self._models if k not in live]:
                     del self._models[gone]
         routable = self._lifecycle.routable
-        rates = self._popularity.rates_now(now)
+        rates = self._popularity.steps_now(now)
         speed = self._speeds.get
         keys = m.keys
         records = m.records
@@ -179,7 +205,7 @@ class BranchStates:
                 routable(b),
                 engine.in_flight,
                 engine.info,
-                _steps(rates(b.id)),
+                rates(b.id),
                 speed(b.id, now),
             )
             if key != keys[k]:
@@ -303,6 +329,16 @@ def _steps(rate: float) -> float:
     if rate < 0.01:
         return 0.0
     return float(_STEP ** round(math.log(rate, _STEP)))
+
+
+def _step_life(rate: float, step: float) -> float:
+    """For how many rate windows a decaying ``rate`` keeps its :func:`_steps` value
+    ``step``, a little less to stay clear of rounding at the edge: until it falls below
+    the step's lower edge (half a step down) or, for the lowest step, 0.01 req/s."""
+    if step == 0.0:
+        return math.inf  # under 0.01 req/s, and it only decays
+    edge = max(0.01, step * _STEP**-0.5)
+    return math.log(rate / edge) - 1e-6 if rate > edge else 0.0
 
 
 def _free(headroom: int, cap: int | None, stale: bool) -> int:
