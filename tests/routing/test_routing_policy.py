@@ -598,3 +598,22 @@ def test_a_ranking_updated_under_churn_equals_one_computed_afresh(
         assert _outcome(states, requirement, shape, s) == _outcome(
             list(states), requirement, shape, s
         )
+
+
+def test_remembered_affinity_hashes_equal_the_hashes() -> None:
+    """``prefix_key`` and ``weight`` remember their blake2b results; what they remember
+    must be what blake2b gives, on the first call, the next, and after the cache is full."""
+    from hashlib import blake2b
+
+    from quantroute.routing import affinity
+
+    for n in range(2 * affinity._CACHE_MAX + 3):
+        prefix = f"prefix {n % (affinity._CACHE_MAX + 7)}"
+        raw = blake2b(prefix.encode(), digest_size=32, person=b"qr-affinity").digest()
+        for _ in range(2):
+            key = affinity.prefix_key(prefix)
+            assert key == raw
+            want = int.from_bytes(blake2b(b"m:q8_0", digest_size=8, key=raw).digest(), "big")
+            assert affinity.weight(key, "m:q8_0") == want
+    assert len(affinity._keys) <= affinity._CACHE_MAX
+    assert len(affinity._weights) <= affinity._CACHE_MAX

@@ -58,6 +58,7 @@ are built from the decision's numbers only when read.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -284,7 +285,7 @@ class _Ranked:
         slot: list[int],
         ladder: Ladder,
         scored: list[tuple[float, tuple[float, ...]]],
-        keys: list[tuple[float, str, int]],
+        keys: list[tuple[float, str, int]] | None,
         ranking: tuple[int, ...],
         safe: int,
     ) -> None:
@@ -295,7 +296,9 @@ class _Ranked:
         self.slot = slot  # per branch: its place in ``feasible``, -1 when infeasible
         self.ladder = ladder
         self.scored = scored
-        self.keys = keys  # per feasible branch: its sort key (-score, id, place)
+        # the feasible branches' sort keys (-score, id, place in feasible), sorted; None
+        # when a NaN score leaves them no order to keep
+        self.keys = keys
         self.ranking = ranking
         self.safe = safe
 
@@ -330,13 +333,20 @@ def choose(
         ladder = fidelity_ladder(branches, feasible)
         n = len(feasible)
         scored = score_some(requirement, branches, rows, feasible, range(n), ladder, settings)
-        keys = [
-            (-s[0], branches[i].id, j)
-            for j, (i, s) in enumerate(zip(feasible, scored, strict=True))
-        ]
-        memo = _ranked_from(
-            requirement, request, branches, settings, rows, feasible, ladder, scored, keys
+        keys = sorted(
+            [
+                (-s[0], branches[i].id, j)
+                for j, (i, s) in enumerate(zip(feasible, scored, strict=True))
+            ]
         )
+        slot = [-1] * len(branches)
+        for j, i in enumerate(feasible):
+            slot[i] = j
+        memo = _ranked_from(
+            requirement, request, branches, settings, rows, feasible, slot, ladder, scored, keys
+        )
+        if any(k[0] != k[0] for k in keys):
+            memo.keys = None  # a NaN score: sorted() has no order to keep up incrementally
         if type(branches) is tuple:
             if len(_ranked) >= _RANKED_MAX:
                 _ranked.clear()
@@ -376,24 +386,22 @@ def _ranked_from(
     settings: RoutingSettings,
     rows: list[Row],
     feasible: list[int],
+    slot: list[int],
     ladder: Ladder,
     scored: list[tuple[float, tuple[float, ...]]],
     keys: list[tuple[float, str, int]],
 ) -> _Ranked:
-    """The ranking of scored feasible branches: best score first, equal scores by id (so
-    the input order never matters), then those meeting the deadline with a margin first."""
-    n = len(feasible)
-    if n == 1:
+    """The ranking of scored feasible branches, from their sorted ``keys``: best score
+    first, equal scores by id (so the input order never matters), then those meeting the
+    deadline with a margin first."""
+    if len(keys) == 1:
         ranking: tuple[int, ...] = (0,)
         safe = 1
     else:
-        ranking = tuple([k[2] for k in sorted(keys)])
+        ranking = tuple([k[2] for k in keys])
         ranking, safe = _by_margin(
             requirement, request, branches, rows, feasible, ranking, settings
         )
-    slot = [-1] * len(branches)
-    for j, i in enumerate(feasible):
-        slot[i] = j
     return _Ranked(branches, settings, rows, feasible, slot, ladder, scored, keys, ranking, safe)
 
 
@@ -409,7 +417,7 @@ def _update(
     what a fresh computation gives: other branches, or a changed record that changes the
     feasible set or the fidelity ladder (its model, precision, reference flag, mean KLD)."""
     old = memo.branches
-    if len(old) != len(branches):
+    if len(old) != len(branches) or memo.keys is None:
         return None
     changed = [k for k, b in enumerate(branches) if b is not old[k]]
     if 2 * len(changed) > len(branches):
@@ -439,10 +447,18 @@ def _update(
     if which:
         again = score_some(requirement, branches, rows, feasible, which, memo.ladder, settings)
         for j, s in zip(which, again, strict=True):
+            if s[0] != s[0]:
+                return None  # NaN: see the fresh path
+            branch_id = branches[feasible[j]].id
+            gone = (-scored[j][0], branch_id, j)
+            at = bisect_left(keys, gone)
+            if at == len(keys) or keys[at] != gone:
+                return None  # cannot happen while keys is sorted; never guess
+            del keys[at]
+            insort(keys, (-s[0], branch_id, j))
             scored[j] = s
-            keys[j] = (-s[0], keys[j][1], j)
     out = _ranked_from(
-        requirement, request, branches, settings, rows, feasible, memo.ladder, scored, keys
+        requirement, request, branches, settings, rows, feasible, slot, memo.ladder, scored, keys
     )
     size = (requirement, request.prompt_tokens, request.max_tokens)
     _ranked[size] = out
@@ -510,7 +526,8 @@ def _reason(
     if len(order) == 1:
         return "only-feasible"
     top = order[0]
-    best_fit = max(order, key=lambda j: scored[j][1][0])
+    fits = [scored[j][1][0] for j in order]
+    best_fit = order[fits.index(max(fits))]  # the first best in ``order``
     fit_gap = scored[best_fit][1][0] - scored[top][1][0]
     if fit_gap <= 1e-12:
         return f"best-fit:{regime(primary.device_free_bytes, settings).value}"

@@ -10,6 +10,7 @@ monitor's verdicts, the circuit breakers, device health, and request popularity
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -210,7 +211,10 @@ class BranchStates:
             )
             if key != keys[k]:
                 keys[k] = key
-                records[k] = _state(route.reference, b, m.fixed[k], *key)
+                static = m.static[k]
+                if static is None:
+                    static = m.static[k] = _static(route.reference, b, m.fixed[k])
+                records[k] = _state(static, *key)
                 changed = True
         if changed or m.states is None:
             m.states = tuple(records)
@@ -243,8 +247,10 @@ class BranchStates:
         old = self._models.get(route.name)
         n = len(route.branches)
         if old is not None and old.route is route and old.fixed == fixed:
-            return _Model(route, stamp, old.fixed, closed, old.keys, old.records, old.states)
-        return _Model(route, stamp, fixed, closed, [None] * n, [None] * n, None)  # type: ignore[list-item]
+            return _Model(
+                route, stamp, old.fixed, closed, old.static, old.keys, old.records, old.states
+            )
+        return _Model(route, stamp, fixed, closed, [None] * n, [None] * n, [None] * n, None)  # type: ignore[list-item]
 
 
 _Fixed = tuple[Placement | None, bool, bool, tuple[int, int, float, float]]
@@ -254,7 +260,7 @@ _Key = tuple[bool, int, EngineInfo | None, float, ObservedSpeed | None]
 class _Model:
     """One model's records and what they were built from."""
 
-    __slots__ = ("closed", "fixed", "keys", "records", "route", "stamp", "states")
+    __slots__ = ("closed", "fixed", "keys", "records", "route", "stamp", "states", "static")
 
     def __init__(
         self,
@@ -262,6 +268,7 @@ class _Model:
         stamp: tuple[object, ...],
         fixed: list[_Fixed],
         closed: bool,
+        static: list[_Static | None],
         keys: list[_Key | None],
         records: list[BranchState],
         states: tuple[BranchState, ...] | None,
@@ -270,52 +277,111 @@ class _Model:
         self.stamp = stamp
         self.fixed = fixed  # per branch: placement, breaker open, degraded, device figures
         self.closed = closed  # every breaker closed: their version alone says when to reread
+        self.static = static  # per branch: its records' static fields, from ``fixed``
         self.keys = keys  # per branch: the per-request inputs its record was built from
         self.records = records
         self.states = states
 
 
+# A record is rebuilt on most requests under load (its branch's load moved), and a frozen
+# dataclass's ``__init__`` (keyword arguments, a frozen ``__setattr__`` per field) costs
+# about 6 µs for BranchState's 27 fields. So records are filled through the slots'
+# descriptors instead: the fields that hold while the branch's fixed inputs do are worked
+# out once (``_static``), the per-request ones set on each rebuild (``_state``). Every field
+# is one or the other (checked here, so a new field cannot be left unset).
+_STATIC = (
+    "id",
+    "model",
+    "name",
+    "precision",
+    "is_reference",
+    "breaker_open",
+    "degraded",
+    "mean_kld",
+    "top1",
+    "prefill_tps",
+    "decode_tps",
+    "kv_bytes_per_token",
+    "device",
+    "device_free_bytes",
+    "device_total_bytes",
+    "device_health",
+    "heat",
+    "mean_service_ms",
+)
+_PER_REQUEST = (
+    "ready",
+    "running",
+    "queued",
+    "parallel",
+    "recent_rate",
+    "observed_ttft_ms",
+    "observed_tpot_ms",
+    "observed_ttft_dev_ms",
+    "observed_tpot_dev_ms",
+)
+if sorted(_STATIC + _PER_REQUEST) != sorted(f.name for f in dataclasses.fields(BranchState)):
+    raise AssertionError("routing.states: every BranchState field must be static or per request")
+_SET_STATIC = tuple(getattr(BranchState, name).__set__ for name in _STATIC)
+_SET_PER_REQUEST = tuple(getattr(BranchState, name).__set__ for name in _PER_REQUEST)
+_Static = tuple[tuple[Callable[[BranchState, object], None], object], ...]
+
+
+def _static(reference: str, b: Branch, fixed: _Fixed) -> _Static:
+    """The setters and values of the record's :data:`_STATIC` fields."""
+    profile = b.profile
+    placement, breaker_open, degraded, (free, total, health, heat) = fixed
+    values = (
+        b.id,
+        b.model,
+        b.name,
+        b.precision,
+        b.name == reference,
+        breaker_open,
+        degraded,
+        profile.mean_kld if profile else None,
+        profile.top1 if profile else None,
+        profile.prefill_tps if profile else None,
+        profile.decode_tps if profile else None,
+        placement.kv_bytes_per_token if placement else 0,
+        placement.device if placement and placement.device else "cpu",
+        free,
+        total,
+        health,
+        heat,
+        None,
+    )
+    return tuple(zip(_SET_STATIC, values, strict=True))
+
+
 def _state(
-    reference: str,
-    b: Branch,
-    fixed: _Fixed,
+    static: _Static,
     ready: bool,
     in_flight: int,
     info: EngineInfo | None,
     recent_rate: float,
     speed: ObservedSpeed | None,
 ) -> BranchState:
-    profile = b.profile
-    placement, breaker_open, degraded, (free, total, health, heat) = fixed
+    """The branch's record: its static fields and these per-request inputs."""
     parallel = info.parallel if info is not None else 1
-    return BranchState(
-        id=b.id,
-        model=b.model,
-        name=b.name,
-        precision=b.precision,
-        is_reference=b.name == reference,
-        ready=ready,
-        breaker_open=breaker_open,
-        degraded=degraded,
-        mean_kld=profile.mean_kld if profile else None,
-        top1=profile.top1 if profile else None,
-        prefill_tps=profile.prefill_tps if profile else None,
-        decode_tps=profile.decode_tps if profile else None,
-        kv_bytes_per_token=placement.kv_bytes_per_token if placement else 0,
-        device=placement.device if placement and placement.device else "cpu",
-        device_free_bytes=free,
-        device_total_bytes=total,
-        device_health=health,
-        running=min(in_flight, parallel),
-        queued=max(0, in_flight - parallel),
-        parallel=parallel,
-        recent_rate=recent_rate,
-        heat=heat,
-        observed_ttft_ms=speed.ttft_ms if speed is not None else None,
-        observed_tpot_ms=speed.tpot_ms if speed is not None else None,
-        observed_ttft_dev_ms=speed.ttft_dev_ms if speed is not None else 0.0,
-        observed_tpot_dev_ms=speed.tpot_dev_ms if speed is not None else 0.0,
+    record: BranchState = object.__new__(BranchState)
+    for set_field, value in static:
+        set_field(record, value)
+    values = (
+        ready,
+        min(in_flight, parallel),
+        max(0, in_flight - parallel),
+        parallel,
+        recent_rate,
+        *(
+            (speed.ttft_ms, speed.tpot_ms, speed.ttft_dev_ms, speed.tpot_dev_ms)
+            if speed is not None
+            else (None, None, 0.0, 0.0)
+        ),
     )
+    for set_field, value in zip(_SET_PER_REQUEST, values, strict=True):
+        set_field(record, value)
+    return record
 
 
 _STEP = 2.0**0.25  # a recent rate counts in steps of about a fifth
