@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,7 +14,7 @@ from quantroute.engines.fake import FakeEngine
 from quantroute.resilience import Breakers
 from quantroute.routing import RouteTableRef
 from quantroute.routing.policy import choose
-from quantroute.routing.records import RequestShape
+from quantroute.routing.records import BranchState, RequestShape
 from quantroute.routing.requirement import parse_requirement
 from quantroute.routing.settings import GiB, RoutingSettings
 from quantroute.routing.states import BranchStates, RecentRate, _steps
@@ -102,6 +103,13 @@ def test_a_record_is_kept_while_its_inputs_hold_and_rebuilt_when_they_move() -> 
     assert moved[2].recent_rate > 0 and first[2].recent_rate == 0
     assert [s.name for s in moved if s.breaker_open] == ["q8_0"]
     assert states.read("tiny-llama")[2] is moved[2]  # and kept again
+    # records are filled through their slots, not __init__: each must equal (and hash,
+    # print and compare like) the one __init__ builds from its fields
+    for record in (*first, *moved):
+        built = BranchState(**{f.name: getattr(record, f.name) for f in dataclasses.fields(record)})
+        assert record == built and hash(record) == hash(built) and repr(record) == repr(built)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        moved[0].running = 3
 
 
 class _Loaded(FakeEngine):
