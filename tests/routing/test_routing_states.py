@@ -161,6 +161,14 @@ def test_a_request_rereads_load_and_breakers_at_once_and_the_rest_when_its_stamp
     loaded = states.read("tiny-llama")
     assert loaded is not first and loaded[1].running == 3 and loaded[1].queued == 0
     assert loaded[0] is first[0] and loaded[2] is first[2]
+    engines["q8_0"].load = 0  # and back: the record it had for that load, the same object
+    back = states.read("tiny-llama")
+    assert back[1] is first[1] and back is not first
+    engines["q8_0"].load = 3
+    assert states.read("tiny-llama")[1] is loaded[1]
+    engines["q8_0"]._info = dataclasses.replace(engines["q8_0"]._info, parallel=2)
+    halved = states.read("tiny-llama")  # new engine info, same load: a new record
+    assert (halved[1].running, halved[1].queued, halved[1].parallel) == (2, 1, 2)
     # a verdict or placement that changes without its version is not reread (the contract)...
     verdicts["tiny-llama:q8_0"] = True
     placements.kv = 2048

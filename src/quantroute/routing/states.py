@@ -195,26 +195,27 @@ class BranchStates:
                 for gone in [k for k in self._models if k not in live]:
                     del self._models[gone]
         routable = self._lifecycle.routable
-        rates = self._popularity.steps_now(now)
-        speed = self._speeds.get
+        popularity = self._popularity
+        entries, stepped_cache = popularity._rates, popularity._stepped
+        stepped = popularity.steps_now(now)
+        speeds, max_age_s = self._speeds.table()
         keys = m.keys
         records = m.records
         changed = False
-        for k, b in enumerate(route.branches):
-            engine = b.engine
-            key: _Key = (
-                routable(b),
-                engine.in_flight,
-                engine.info,
-                rates(b.id),
-                speed(b.id, now),
-            )
+        # steps_now and speeds.get inlined for their common case: two dict reads, no calls
+        for k, b, engine, branch_id in m.members:
+            hit = stepped_cache.get(branch_id)
+            if hit is not None and hit[0] is entries.get(branch_id) and hit[2] <= now < hit[3]:
+                rate = hit[1]
+            else:
+                rate = stepped(branch_id)
+            speed = speeds.get(branch_id)
+            if speed is not None and now - speed.at > max_age_s:
+                speed = None
+            key: _Key = (routable(b), engine.in_flight, engine.info, rate, speed)
             if key != keys[k]:
                 keys[k] = key
-                static = m.static[k]
-                if static is None:
-                    static = m.static[k] = _static(route.reference, b, m.fixed[k])
-                records[k] = _state(static, *key)
+                records[k] = m.record(k, key)
                 changed = True
         if changed or m.states is None:
             m.states = tuple(records)
@@ -247,9 +248,11 @@ class BranchStates:
         old = self._models.get(route.name)
         n = len(route.branches)
         if old is not None and old.route is route and old.fixed == fixed:
-            return _Model(
+            kept = _Model(
                 route, stamp, old.fixed, closed, old.static, old.keys, old.records, old.states
             )
+            kept.seen = old.seen
+            return kept
         return _Model(route, stamp, fixed, closed, [None] * n, [None] * n, [None] * n, None)  # type: ignore[list-item]
 
 
@@ -257,10 +260,24 @@ _Fixed = tuple[Placement | None, bool, bool, tuple[int, int, float, float]]
 _Key = tuple[bool, int, EngineInfo | None, float, ObservedSpeed | None]
 
 
+_SEEN_MAX = 8  # records remembered per branch
+
+
 class _Model:
     """One model's records and what they were built from."""
 
-    __slots__ = ("closed", "fixed", "keys", "records", "route", "stamp", "states", "static")
+    __slots__ = (
+        "closed",
+        "fixed",
+        "keys",
+        "members",
+        "records",
+        "route",
+        "seen",
+        "stamp",
+        "states",
+        "static",
+    )
 
     def __init__(
         self,
@@ -274,13 +291,39 @@ class _Model:
         states: tuple[BranchState, ...] | None,
     ):
         self.route = route
+        # per branch: its place, itself, its engine and id, for the per-request loop
+        self.members = [(k, b, b.engine, b.id) for k, b in enumerate(route.branches)]
         self.stamp = stamp
         self.fixed = fixed  # per branch: placement, breaker open, degraded, device figures
         self.closed = closed  # every breaker closed: their version alone says when to reread
         self.static = static  # per branch: its records' static fields, from ``fixed``
+        # per branch: its last few records by (ready, in flight, rate step), each with the
+        # engine info and speed objects it was built from: a load going up and down (1, 2,
+        # 1, 0 sequences) comes back to a record it had, and gets the same object again
+        self.seen: list[dict[tuple[bool, int, float], tuple[object, object, BranchState]]] = [
+            {} for _ in route.branches
+        ]
         self.keys = keys  # per branch: the per-request inputs its record was built from
         self.records = records
         self.states = states
+
+    def record(self, k: int, key: _Key) -> BranchState:
+        """Branch ``k``'s record for ``key``: one it had for the same inputs, or a new one."""
+        ready, in_flight, info, rate, speed = key
+        seen = self.seen[k]
+        got = seen.get((ready, in_flight, rate))
+        if got is not None and got[0] is info and got[1] is speed:
+            return got[2]
+        static = self.static[k]
+        if static is None:
+            static = self.static[k] = _static(
+                self.route.reference, self.route.branches[k], self.fixed[k]
+            )
+        record = _state(static, *key)
+        if len(seen) >= _SEEN_MAX:
+            seen.clear()
+        seen[ready, in_flight, rate] = (info, speed, record)
+        return record
 
 
 # A record is rebuilt on most requests under load (its branch's load moved), and a frozen
