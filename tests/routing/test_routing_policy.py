@@ -561,16 +561,17 @@ def _outcome(branches: Any, requirement: Requirement, shape: RequestShape, s: An
     return (d.branch_ids, d.reason, d.wait_s, [e.to_dict() for e in d.explanations])
 
 
-@hsettings(max_examples=150, deadline=None)
+@hsettings(max_examples=200, deadline=None)
 @given(
     changes=st.lists(
         st.tuples(
+            st.sampled_from(["set", "load", "load", "back", "back", "swap"]),
             st.integers(0, len(_REPLICAS) - 1),
             st.dictionaries(st.sampled_from(sorted(_CHURN)), st.none(), min_size=1, max_size=2),
             st.data(),
         ),
         min_size=1,
-        max_size=12,
+        max_size=14,
     ),
     tier=st.sampled_from([None, "exact", "high", "balanced", "fast"]),
     deadline=st.sampled_from([None, "40", "400"]),
@@ -578,23 +579,42 @@ def _outcome(branches: Any, requirement: Requirement, shape: RequestShape, s: An
     margin=st.booleans(),
 )
 def test_a_ranking_updated_under_churn_equals_one_computed_afresh(
-    changes: list[tuple[int, dict[str, None], Any]],
+    changes: list[tuple[str, int, dict[str, None], Any]],
     tier: str | None,
     deadline: str | None,
     shape: RequestShape,
     margin: bool,
 ) -> None:
     """Under churn a new states tuple differs from the last in a record or two (the others
-    the same objects), and ``choose`` filters and scores only those again; whatever changed
-    (load, readiness, breakers, memory, speeds, the fidelity ladder), the decision and every
-    explanation must be what a fresh computation (a list, never reused) gives."""
+    the same objects), and ``choose`` filters and scores only those again, or takes what it
+    remembers of a record it saw before (``BranchStates`` hands a branch's earlier record
+    back when its load returns). Whatever changed (load, readiness, breakers, memory,
+    speeds, the fidelity ladder, an earlier record back, two records swapped), the decision
+    and every explanation must be what a fresh computation (a list, never reused) gives."""
     s = _MARGIN if margin else S
     requirement = req(tier, deadline)
     states = tuple(branch(name, 16 * GiB, running=1) for name in _REPLICAS)
+    history = {b.id: [b] for b in states}  # each branch's records so far
     _outcome(states, requirement, shape, s)  # the ranking the first change updates
-    for k, fields, data in changes:
-        new = {f: data.draw(_CHURN[f], label=f) for f in fields}
-        states = (*states[:k], replace(states[k], **new), *states[k + 1 :])
+    for kind, k, fields, data in changes:
+        if kind in ("set", "load"):
+            new = replace(
+                states[k],
+                **{f: data.draw(_CHURN[f], label=f) for f in fields}
+                if kind == "set"
+                else {"running": data.draw(st.integers(0, 5), label="running")},
+            )
+            history[new.id].append(new)
+        elif kind == "back":
+            new = data.draw(st.sampled_from(history[states[k].id]), label="back")
+        else:
+            other = data.draw(st.integers(0, len(states) - 1), label="swap")
+            states = tuple(
+                states[other] if n == k else states[k] if n == other else b
+                for n, b in enumerate(states)
+            )
+            new = states[k]
+        states = (*states[:k], new, *states[k + 1 :])
         assert _outcome(states, requirement, shape, s) == _outcome(
             list(states), requirement, shape, s
         )

@@ -58,6 +58,7 @@ are built from the decision's numbers only when read.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -267,6 +268,7 @@ class _Ranked:
         "branches",
         "feasible",
         "keys",
+        "known",
         "ladder",
         "ranking",
         "rows",
@@ -301,6 +303,9 @@ class _Ranked:
         self.keys = keys
         self.ranking = ranking
         self.safe = safe
+        # id(record) -> (the record, its row, its score or _INFEASIBLE, its place): records
+        # seen while this ranking's ladder held, each at that place in the states
+        self.known: dict[int, tuple[BranchState, Row, tuple[float, tuple[float, ...]], int]] = {}
 
 
 def choose(
@@ -342,11 +347,24 @@ def choose(
         slot = [-1] * len(branches)
         for j, i in enumerate(feasible):
             slot[i] = j
-        memo = _ranked_from(
-            requirement, request, branches, settings, rows, feasible, slot, ladder, scored, keys
+        ranking, safe = _order(requirement, request, branches, rows, feasible, keys, settings)
+        nan = any(k[0] != k[0] for k in keys)  # sorted() then has no order to keep up
+        memo = _Ranked(
+            branches,
+            settings,
+            rows,
+            feasible,
+            slot,
+            ladder,
+            scored,
+            None if nan else keys,
+            ranking,
+            safe,
         )
-        if any(k[0] != k[0] for k in keys):
-            memo.keys = None  # a NaN score: sorted() has no order to keep up incrementally
+        known = memo.known
+        for k, b in enumerate(branches):
+            j = slot[k]
+            known[id(b)] = (b, rows[k], _INFEASIBLE if j < 0 else scored[j], k)
         if type(branches) is tuple:
             if len(_ranked) >= _RANKED_MAX:
                 _ranked.clear()
@@ -379,32 +397,6 @@ def choose(
     return Decision(model, tuple([branches[i].id for i in chosen]), reason, None, False, trace)
 
 
-def _ranked_from(
-    requirement: Requirement,
-    request: RequestShape,
-    branches: Sequence[BranchState],
-    settings: RoutingSettings,
-    rows: list[Row],
-    feasible: list[int],
-    slot: list[int],
-    ladder: Ladder,
-    scored: list[tuple[float, tuple[float, ...]]],
-    keys: list[tuple[float, str, int]],
-) -> _Ranked:
-    """The ranking of scored feasible branches, from their sorted ``keys``: best score
-    first, equal scores by id (so the input order never matters), then those meeting the
-    deadline with a margin first."""
-    if len(keys) == 1:
-        ranking: tuple[int, ...] = (0,)
-        safe = 1
-    else:
-        ranking = tuple([k[2] for k in keys])
-        ranking, safe = _by_margin(
-            requirement, request, branches, rows, feasible, ranking, settings
-        )
-    return _Ranked(branches, settings, rows, feasible, slot, ladder, scored, keys, ranking, safe)
-
-
 def _update(
     memo: _Ranked,
     requirement: Requirement,
@@ -412,57 +404,113 @@ def _update(
     branches: Sequence[BranchState],
     settings: RoutingSettings,
 ) -> _Ranked | None:
-    """``memo`` brought up to ``branches`` by filtering and scoring again only the records
-    that are not the very objects it was computed from; ``None`` when that would not give
-    what a fresh computation gives: other branches, or a changed record that changes the
-    feasible set or the fidelity ladder (its model, precision, reference flag, mean KLD)."""
+    """``memo`` brought up to ``branches``, in place, by filtering and scoring again only
+    the records that are not the very objects it was computed from (or taking the row and
+    score of a record it saw before: ``BranchStates`` hands back a branch's record when its
+    load returns to an earlier value); ``None`` when that would not give what a fresh
+    computation gives: other branches, or a changed record that changes the feasible set
+    or the fidelity ladder (its model, precision, reference flag, mean KLD)."""
     old = memo.branches
-    if len(old) != len(branches) or memo.keys is None:
+    keys = memo.keys
+    if len(old) != len(branches) or keys is None:
         return None
     changed = [k for k, b in enumerate(branches) if b is not old[k]]
     if 2 * len(changed) > len(branches):
         return None  # most records moved: a fresh computation is as cheap
-    fresh = filters.evaluate(requirement, request, [branches[k] for k in changed])
     slot = memo.slot
-    which = []
-    for k, row in zip(changed, fresh, strict=True):
-        a, b = old[k], branches[k]
-        if (
-            (slot[k] < 0) != bool(row[0])
-            or b.id != a.id
-            or b.model != a.model
-            or b.precision is not a.precision
-            or b.is_reference != a.is_reference
-            or b.mean_kld != a.mean_kld
-        ):
-            return None
-        if slot[k] >= 0:
-            which.append(slot[k])
-    rows = memo.rows.copy()
-    for k, row in zip(changed, fresh, strict=True):
-        rows[k] = row
-    feasible = memo.feasible
+    known = memo.known
+    rows = memo.rows.copy()  # copies: the last decision's explanation holds the old ones
     scored = memo.scored.copy()
-    keys = memo.keys.copy()
-    if which:
-        again = score_some(requirement, branches, rows, feasible, which, memo.ladder, settings)
-        for j, s in zip(which, again, strict=True):
+    unscored = []
+    for k in changed:
+        b = branches[k]
+        got = known.get(id(b))
+        if got is not None and got[0] is b and got[3] == k:
+            row, s = got[1], got[2]
+        else:
+            a = old[k]
+            if (
+                b.id != a.id
+                or b.model != a.model
+                or b.precision is not a.precision
+                or b.is_reference != a.is_reference
+                or b.mean_kld != a.mean_kld
+            ):
+                return None
+            row, s = filters.evaluate(requirement, request, (b,))[0], None
+        if (slot[k] < 0) != bool(row[0]):
+            return None
+        rows[k] = row
+        j = slot[k]
+        if j < 0:
+            s = _INFEASIBLE
+        elif s is None:
+            unscored.append(j)
+        elif not _rekey(keys, scored, j, s, b.id):
+            return None
+        if s is not None:
+            known[id(b)] = (b, row, s, k)
+    if unscored:
+        feasible = memo.feasible
+        again = score_some(requirement, branches, rows, feasible, unscored, memo.ladder, settings)
+        for j, s in zip(unscored, again, strict=True):
             if s[0] != s[0]:
                 return None  # NaN: see the fresh path
-            branch_id = branches[feasible[j]].id
-            gone = (-scored[j][0], branch_id, j)
-            at = bisect_left(keys, gone)
-            if at == len(keys) or keys[at] != gone:
-                return None  # cannot happen while keys is sorted; never guess
-            del keys[at]
-            insort(keys, (-s[0], branch_id, j))
-            scored[j] = s
-    out = _ranked_from(
-        requirement, request, branches, settings, rows, feasible, slot, memo.ladder, scored, keys
+            k = feasible[j]
+            b = branches[k]
+            if not _rekey(keys, scored, j, s, b.id):
+                return None
+            known[id(b)] = (b, rows[k], s, k)
+    if len(known) > _KNOWN_MAX:
+        known.clear()
+    memo.branches = branches
+    memo.rows = rows
+    memo.scored = scored
+    memo.ranking, memo.safe = _order(
+        requirement, request, branches, rows, memo.feasible, keys, settings
     )
-    size = (requirement, request.prompt_tokens, request.max_tokens)
-    _ranked[size] = out
-    return out
+    return memo
+
+
+_KNOWN_MAX = 64  # records whose row and score a ranking remembers
+_INFEASIBLE = (math.nan, ())  # the known "score" of an infeasible record: none
+
+
+def _rekey(
+    keys: list[tuple[float, str, int]],
+    scored: list[tuple[float, tuple[float, ...]]],
+    j: int,
+    s: tuple[float, tuple[float, ...]],
+    branch_id: str,
+) -> bool:
+    """Feasible branch ``j`` now scores ``s``: its key moves in the sorted ``keys``. False
+    (and the ranking is computed afresh) should its old key not be found: no guessing."""
+    gone = (-scored[j][0], branch_id, j)
+    at = bisect_left(keys, gone)
+    if at == len(keys) or keys[at] != gone:
+        return False
+    del keys[at]
+    insort(keys, (-s[0], branch_id, j))
+    scored[j] = s
+    return True
+
+
+def _order(
+    requirement: Requirement,
+    request: RequestShape,
+    branches: Sequence[BranchState],
+    rows: Sequence[Row],
+    feasible: Sequence[int],
+    keys: list[tuple[float, str, int]],
+    settings: RoutingSettings,
+) -> tuple[tuple[int, ...], int]:
+    """The ranking of scored feasible branches, from their sorted ``keys``: best score
+    first, equal scores by id (so the input order never matters), then those meeting the
+    deadline with a margin first; and how many those are."""
+    if len(keys) == 1:
+        return (0,), 1
+    ranking = tuple([k[2] for k in keys])
+    return _by_margin(requirement, request, branches, rows, feasible, ranking, settings)
 
 
 def _by_margin(
