@@ -266,6 +266,7 @@ class _Ranked:
 
     __slots__ = (
         "branches",
+        "decided",
         "feasible",
         "keys",
         "known",
@@ -276,6 +277,7 @@ class _Ranked:
         "scored",
         "settings",
         "slot",
+        "tied",
     )
 
     def __init__(
@@ -303,6 +305,11 @@ class _Ranked:
         self.keys = keys
         self.ranking = ranking
         self.safe = safe
+        # what choose derives from the ranking alone, kept until it changes: the ids prefix
+        # affinity picks among, and per affinity pick (-1: none) the decision's branches
+        # (indexes, ids) and reason
+        self.tied: tuple[str, ...] | None = None
+        self.decided: dict[int, tuple[list[int], tuple[str, ...], str]] = {}
         # id(record) -> (the record, its row, its score or _INFEASIBLE, its place): records
         # seen while this ranking's ladder held, each at that place in the states
         self.known: dict[int, tuple[BranchState, Row, tuple[float, tuple[float, ...]], int]] = {}
@@ -371,30 +378,56 @@ def choose(
             _ranked[size] = memo
     rows, feasible, scored = memo.rows, memo.feasible, memo.scored
     ranking, safe = memo.ranking, memo.safe
-    order = list(ranking)
-    n = len(order)
+    tied = memo.tied
+    if tied is None:
+        tied = memo.tied = _tied(branches, feasible, ranking, scored, safe, settings)
+    win = -1  # no affinity
+    if len(tied) > 1 and request.prefix:
+        win = affinity.pick(affinity.prefix_key(request.prefix), tied)
+    decided = memo.decided.get(win)
+    if decided is None:
+        decided = memo.decided[win] = _decided(branches, memo, win, settings)
+    chosen, ids, reason = decided
+    trace = _Trace(requirement, request, branches, rows, feasible, scored, chosen, settings)
+    return Decision(model, ids, reason, None, False, trace)
 
+
+def _tied(
+    branches: Sequence[BranchState],
+    feasible: Sequence[int],
+    ranking: tuple[int, ...],
+    scored: Sequence[tuple[float, tuple[float, ...]]],
+    safe: int,
+    settings: RoutingSettings,
+) -> tuple[str, ...]:
+    """Ids of the best and of those within ``tie_epsilon`` of it, in ranking order, among
+    the ``top_k`` best that meet the deadline with a margin: where prefix affinity picks."""
     tied = 1
-    if n > 1 and request.prefix:
-        floor = scored[order[0]][0] - settings.tie_epsilon
-        for j in order[1 : min(settings.top_k, safe)]:
+    if len(ranking) > 1:
+        floor = scored[ranking[0]][0] - settings.tie_epsilon
+        for j in ranking[1 : min(settings.top_k, safe)]:
             if scored[j][0] < floor:
                 break
             tied += 1
-        if tied > 1:
-            key = affinity.prefix_key(request.prefix)
-            win = affinity.pick(key, [branches[feasible[j]].id for j in order[:tied]])
-            if win:
-                order.insert(0, order.pop(win))
+    return tuple([branches[feasible[j]].id for j in ranking[:tied]])
 
-    chosen = [feasible[j] for j in order]
+
+def _decided(
+    branches: Sequence[BranchState], memo: _Ranked, win: int, settings: RoutingSettings
+) -> tuple[list[int], tuple[str, ...], str]:
+    """The branches chosen (indexes, ids) and the reason, with the tied branch at place
+    ``win`` first (-1: no affinity)."""
+    order = list(memo.ranking)
+    scored = memo.scored
+    if win > 0:
+        order.insert(0, order.pop(win))
+    chosen = [memo.feasible[j] for j in order]
     reason = _reason(order, scored, branches[chosen[0]], settings)
-    if safe < n and scored[order[0]][0] < max(s[0] for s in scored):
+    if memo.safe < len(order) and scored[order[0]][0] < max(s[0] for s in scored):
         reason = "shifted:margin"  # a better score is in time only on average
-    if tied > 1:
+    if win >= 0:
         reason += "+affinity"
-    trace = _Trace(requirement, request, branches, rows, feasible, scored, chosen, settings)
-    return Decision(model, tuple([branches[i].id for i in chosen]), reason, None, False, trace)
+    return chosen, tuple([branches[i].id for i in chosen]), reason
 
 
 def _update(
@@ -415,6 +448,9 @@ def _update(
     if len(old) != len(branches) or keys is None:
         return None
     changed = [k for k, b in enumerate(branches) if b is not old[k]]
+    if not changed:  # the same records in a new tuple (a load went and came back)
+        memo.branches = branches
+        return memo
     if 2 * len(changed) > len(branches):
         return None  # most records moved: a fresh computation is as cheap
     slot = memo.slot
@@ -466,6 +502,8 @@ def _update(
     memo.branches = branches
     memo.rows = rows
     memo.scored = scored
+    memo.tied = None
+    memo.decided = {}
     memo.ranking, memo.safe = _order(
         requirement, request, branches, rows, memo.feasible, keys, settings
     )
