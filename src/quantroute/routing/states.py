@@ -125,7 +125,9 @@ class BranchStates:
     not closed (a half-open breaker's probes come and go without an opening). Device
     health is thus as of the last snapshot (one poll interval; a worker's crash makes
     its branch not ready at once anyway). The tuple returned is the same object while no
-    branch's record changed.
+    branch's record changed, and a branch whose inputs return to values it had lately (a
+    load going 1, 2, 1) gets back the record it had then, the same object, so the policy
+    finds what it computed for it.
     """
 
     def __init__(
