@@ -14,11 +14,13 @@ Each call is timed on its own with ``time.perf_counter_ns`` after a warm-up,
 garbage collection on; a run repeats ``--rounds`` times and reports the median
 of the rounds' percentiles.
 
-Two loads: **steady** (no request runs, so only popularity moves the records, and
-the policy's ranking is reused while the states hold), and **churn** (after each
-decision its primary's load moves, as a request starting or finishing does, so
-one branch's record changes every request and the ranking is always computed
-afresh: the worst case of a busy server).
+Three loads: **steady** (no request runs, so only popularity moves the records, and
+the policy's ranking is reused while the states hold); **churn** (after each
+decision its primary's load moves, 0 -> 1 -> 2 -> 0 sequences, as requests starting
+and finishing do, so one branch's record changes every request: a busy server; a
+load coming back to an earlier value gets its earlier record back, and the policy
+what it computed for it); and **new-load** (the primary's load climbs through 0..39
+sequences, so nearly every record and its row and score are new: the worst case).
 
     python benchmarks/bench_decision.py [--markdown]
 
@@ -79,7 +81,7 @@ def table(n: int) -> RouteTable:
     return RouteTable.build([ModelRoute("m", "f16-0", tuple(branches))])
 
 
-async def measure(n: int, iterations: int, warmup: int, churn: bool) -> dict[str, float]:
+async def measure(n: int, iterations: int, warmup: int, load: str) -> dict[str, float]:
     settings = load_settings(
         telemetry={"devices": "sim:4x24GiB", "poll_interval_s": 0.5},
         server={"log_level": "warning"},
@@ -111,9 +113,9 @@ async def measure(n: int, iterations: int, warmup: int, churn: bool) -> dict[str
             t1 = clock()
             if decision.branch_ids:
                 record(decision.branch_ids[0])
-                if churn:  # the primary's load moves: 0, 1, 2 sequences, as requests come and go
+                if load != "steady":  # the primary's load moves, as requests come and go
                     engine = engines[decision.branch_ids[0]]
-                    engine._in_flight = (engine._in_flight + 1) % 3
+                    engine._in_flight = (engine._in_flight + 1) % (3 if load == "churn" else 40)
             if i >= warmup:
                 times.append(t1 - t0)
             if i % 512 == 0:
@@ -133,19 +135,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2_000)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--markdown", action="store_true")
-    p.add_argument("--loads", nargs="+", choices=["steady", "churn"], default=["steady", "churn"])
+    loads = ["steady", "churn", "new-load"]
+    p.add_argument("--loads", nargs="+", choices=loads, default=loads)
     args = p.parse_args(argv)
     rows = []
     for load in args.loads:
         for n in args.sizes:
             rounds = [
-                asyncio.run(measure(n, args.iterations, args.warmup, load == "churn"))
+                asyncio.run(measure(n, args.iterations, args.warmup, load))
                 for _ in range(args.rounds)
             ]
             row = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
             rows.append((load, n, row))
             print(
-                f"{load:6s} {n:3d} branches: p50 {row['p50_us']:.1f} us, "
+                f"{load:8s} {n:3d} branches: p50 {row['p50_us']:.1f} us, "
                 f"p99 {row['p99_us']:.1f} us, mean {row['mean_us']:.1f} us",
                 flush=True,
             )

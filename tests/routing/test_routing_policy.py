@@ -8,6 +8,9 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from quantroute.errors import ServiceUnavailableError
 from quantroute.routing.policy import Decision, choose, explain
@@ -527,3 +530,110 @@ def test_a_reused_ranking_equals_one_computed_afresh() -> None:
                 except ServiceUnavailableError as exc:
                     outcomes.append(("503", str(exc), exc.retry_after_s))
             assert outcomes[0] == outcomes[1] == outcomes[2]
+
+
+# What a request, a poll or a breaker can change in one branch's record between decisions.
+_CHURN = {
+    "running": st.integers(0, 6),
+    "queued": st.integers(0, 3),
+    "ready": st.booleans(),
+    "breaker_open": st.booleans(),
+    "degraded": st.booleans(),
+    "recent_rate": st.sampled_from([0.0, 0.5, 40.0]),
+    "observed_ttft_ms": st.sampled_from([None, 5.0, 80.0]),
+    "observed_tpot_ms": st.sampled_from([None, 0.5, 4.0]),
+    "observed_ttft_dev_ms": st.sampled_from([0.0, 30.0]),
+    "device_free_bytes": st.sampled_from([1 * GiB, 6 * GiB, 16 * GiB, 40 * 2**20]),
+    "device_health": st.sampled_from([0.0, 0.5, 1.0]),
+    "heat": st.sampled_from([0.0, 0.7]),
+    "mean_kld": st.sampled_from([None, 0.0002, 0.003, 0.2]),  # moves the fidelity ladder
+    "mean_service_ms": st.sampled_from([None, 20.0, 900.0]),
+}
+_REPLICAS = ("f16", "q8_0", "q4_k_m", "f16@1", "q8_0@1", "q4_k_m@1")
+_MARGIN = S.model_copy(update={"speeds": S.speeds.model_copy(update={"margin_deviations": 2})})
+
+
+def _outcome(branches: Any, requirement: Requirement, shape: RequestShape, s: Any) -> Any:
+    try:
+        d = choose(MODEL, requirement, shape, branches, s)
+    except ServiceUnavailableError as exc:
+        return ("503", str(exc), exc.retry_after_s)
+    return (d.branch_ids, d.reason, d.wait_s, [e.to_dict() for e in d.explanations])
+
+
+@hsettings(max_examples=200, deadline=None)
+@given(
+    changes=st.lists(
+        st.tuples(
+            st.sampled_from(["set", "load", "load", "back", "back", "swap"]),
+            st.integers(0, len(_REPLICAS) - 1),
+            st.dictionaries(st.sampled_from(sorted(_CHURN)), st.none(), min_size=1, max_size=2),
+            st.data(),
+        ),
+        min_size=1,
+        max_size=14,
+    ),
+    tier=st.sampled_from([None, "exact", "high", "balanced", "fast"]),
+    deadline=st.sampled_from([None, "40", "400"]),
+    shape=st.sampled_from([RequestShape(16, 8, "a"), RequestShape(512, 256, "p")]),
+    margin=st.booleans(),
+)
+def test_a_ranking_updated_under_churn_equals_one_computed_afresh(
+    changes: list[tuple[str, int, dict[str, None], Any]],
+    tier: str | None,
+    deadline: str | None,
+    shape: RequestShape,
+    margin: bool,
+) -> None:
+    """Under churn a new states tuple differs from the last in a record or two (the others
+    the same objects), and ``choose`` filters and scores only those again, or takes what it
+    remembers of a record it saw before (``BranchStates`` hands a branch's earlier record
+    back when its load returns). Whatever changed (load, readiness, breakers, memory,
+    speeds, the fidelity ladder, an earlier record back, two records swapped), the decision
+    and every explanation must be what a fresh computation (a list, never reused) gives."""
+    s = _MARGIN if margin else S
+    requirement = req(tier, deadline)
+    states = tuple(branch(name, 16 * GiB, running=1) for name in _REPLICAS)
+    history = {b.id: [b] for b in states}  # each branch's records so far
+    _outcome(states, requirement, shape, s)  # the ranking the first change updates
+    for kind, k, fields, data in changes:
+        if kind in ("set", "load"):
+            new = replace(
+                states[k],
+                **{f: data.draw(_CHURN[f], label=f) for f in fields}
+                if kind == "set"
+                else {"running": data.draw(st.integers(0, 5), label="running")},
+            )
+            history[new.id].append(new)
+        elif kind == "back":
+            new = data.draw(st.sampled_from(history[states[k].id]), label="back")
+        else:
+            other = data.draw(st.integers(0, len(states) - 1), label="swap")
+            states = tuple(
+                states[other] if n == k else states[k] if n == other else b
+                for n, b in enumerate(states)
+            )
+            new = states[k]
+        states = (*states[:k], new, *states[k + 1 :])
+        assert _outcome(states, requirement, shape, s) == _outcome(
+            list(states), requirement, shape, s
+        )
+
+
+def test_remembered_affinity_hashes_equal_the_hashes() -> None:
+    """``prefix_key`` and ``weight`` remember their blake2b results; what they remember
+    must be what blake2b gives, on the first call, the next, and after the cache is full."""
+    from hashlib import blake2b
+
+    from quantroute.routing import affinity
+
+    for n in range(2 * affinity._CACHE_MAX + 3):
+        prefix = f"prefix {n % (affinity._CACHE_MAX + 7)}"
+        raw = blake2b(prefix.encode(), digest_size=32, person=b"qr-affinity").digest()
+        for _ in range(2):
+            key = affinity.prefix_key(prefix)
+            assert key == raw
+            want = int.from_bytes(blake2b(b"m:q8_0", digest_size=8, key=raw).digest(), "big")
+            assert affinity.weight(key, "m:q8_0") == want
+    assert len(affinity._keys) <= affinity._CACHE_MAX
+    assert len(affinity._weights) <= affinity._CACHE_MAX

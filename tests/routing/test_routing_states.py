@@ -5,15 +5,19 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from qrtest import fake_table
 from quantroute.engines.fake import FakeEngine
 from quantroute.resilience import Breakers
 from quantroute.routing import RouteTableRef
 from quantroute.routing.policy import choose
-from quantroute.routing.records import RequestShape
+from quantroute.routing.records import BranchState, RequestShape
 from quantroute.routing.requirement import parse_requirement
 from quantroute.routing.settings import GiB, RoutingSettings
-from quantroute.routing.states import BranchStates, RecentRate
+from quantroute.routing.states import BranchStates, RecentRate, _steps
 from quantroute.telemetry import HealthTracker, MarginPolicy
 from quantroute.telemetry.memory import Footprint
 from quantroute.telemetry.occupancy import Placement
@@ -99,6 +103,13 @@ def test_a_record_is_kept_while_its_inputs_hold_and_rebuilt_when_they_move() -> 
     assert moved[2].recent_rate > 0 and first[2].recent_rate == 0
     assert [s.name for s in moved if s.breaker_open] == ["q8_0"]
     assert states.read("tiny-llama")[2] is moved[2]  # and kept again
+    # records are filled through their slots, not __init__: each must equal (and hash,
+    # print and compare like) the one __init__ builds from its fields
+    for record in (*first, *moved):
+        built = BranchState(**{f.name: getattr(record, f.name) for f in dataclasses.fields(record)})
+        assert record == built and hash(record) == hash(built) and repr(record) == repr(built)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        moved[0].running = 3
 
 
 class _Loaded(FakeEngine):
@@ -150,6 +161,14 @@ def test_a_request_rereads_load_and_breakers_at_once_and_the_rest_when_its_stamp
     loaded = states.read("tiny-llama")
     assert loaded is not first and loaded[1].running == 3 and loaded[1].queued == 0
     assert loaded[0] is first[0] and loaded[2] is first[2]
+    engines["q8_0"].load = 0  # and back: the record it had for that load, the same object
+    back = states.read("tiny-llama")
+    assert back[1] is first[1] and back is not first
+    engines["q8_0"].load = 3
+    assert states.read("tiny-llama")[1] is loaded[1]
+    engines["q8_0"]._info = dataclasses.replace(engines["q8_0"]._info, parallel=2)
+    halved = states.read("tiny-llama")  # new engine info, same load: a new record
+    assert (halved[1].running, halved[1].queued, halved[1].parallel) == (2, 1, 2)
     # a verdict or placement that changes without its version is not reread (the contract)...
     verdicts["tiny-llama:q8_0"] = True
     placements.kv = 2048
@@ -174,3 +193,26 @@ def test_a_request_rereads_load_and_breakers_at_once_and_the_rest_when_its_stamp
     big = RequestShape(24 * GiB // 2048, 16)
     fits = choose("tiny-llama", requirement, big, now, settings)
     assert fits.reason == "best-effort"  # nothing fits: the tier's best effort
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    events=st.lists(
+        st.tuples(st.floats(0.0, 400.0), st.booleans(), st.sampled_from(["a", "b"])),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_cached_rate_steps_equal_the_steps_of_the_rate_now(
+    events: list[tuple[float, bool, str]],
+) -> None:
+    """``steps_now`` keeps a branch's step until its decaying rate leaves it; at any later
+    time, with requests in between or not, it must equal ``_steps(rate)`` computed now."""
+    rates = RecentRate(window_s=60.0)
+    now = 1000.0
+    for gap, request, branch_id in sorted(events, key=lambda e: e[0]):
+        now += gap / 10.0
+        if request:
+            rates.record(branch_id, now)
+        for b in ("a", "b", "never"):
+            assert rates.steps_now(now)(b) == _steps(rates.rate(b, now))

@@ -21,6 +21,10 @@ The steps:
 4. **Fallbacks**: every other feasible branch, by score. Never a branch that
    fails the quality bound.
 
+Steps 1, 2 and the order come from :mod:`~quantroute.routing.ranking`, which keeps
+the ranking per requirement and request size and updates it incrementally as
+records change (equal to a fresh computation; see there).
+
 With a deadline and ``routing.speeds.margin_deviations`` set (off by default),
 branches that meet it with a margin (their observed speed plus that many
 deviations, :mod:`~quantroute.routing.speeds`) rank before those in time only on
@@ -63,8 +67,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quantroute.errors import ServiceUnavailableError
-from quantroute.routing import affinity, filters
+from quantroute.routing import filters
 from quantroute.routing.filters import BREAKER, MEMORY, QUALITY, READY
+from quantroute.routing.ranking import rank
 from quantroute.routing.records import BranchState, RequestShape, Row
 from quantroute.routing.requirement import Requirement
 from quantroute.routing.score import (
@@ -246,14 +251,6 @@ def pinned(model: str, branch_id: str, *, ready: bool, retry_after_s: float) -> 
     return Decision(model, (branch_id,), "pinned", pinned=True)
 
 
-# The last ranking per (requirement, prompt and output size), reused while the states are
-# the same tuple (``BranchStates.read`` returns the same one while no record changed) and
-# the settings the same object: filters and scores are pure, so they would come out equal.
-# A list of states is never reused (it could have been edited in place).
-_RANKED_MAX = 256
-_ranked: dict[tuple[Requirement, int, int], tuple[Any, ...]] = {}
-
-
 def choose(
     model: str,
     requirement: Requirement,
@@ -269,92 +266,14 @@ def choose(
     :class:`ServiceUnavailableError` when nothing can serve and the tier says
     reject (see the module docstring).
     """
-    size = (requirement, request.prompt_tokens, request.max_tokens)
-    memo = _ranked.get(size) if type(branches) is tuple else None
-    if memo is not None and memo[0] is branches and memo[1] is settings:
-        _, _, rows, feasible, scored, ranking, safe = memo
-    else:
-        rows = filters.evaluate(requirement, request, branches)
-        feasible = [i for i, row in enumerate(rows) if not row[0]]
-        if not feasible:
-            return _nothing_feasible(model, requirement, request, branches, rows, settings)
-        scored = score_branches(requirement, branches, rows, feasible, settings)
-        n = len(feasible)
-        if n == 1:
-            ranking, safe = (0,), 1
-        else:  # best score first; equal scores by id, so the input order never matters
-            ids = [branches[i].id for i in feasible]
-            ranking = tuple(
-                r[2] for r in sorted(zip([-s[0] for s in scored], ids, range(n), strict=True))
-            )
-            ranking, safe = _by_margin(
-                requirement, request, branches, rows, feasible, ranking, settings
-            )
-        if type(branches) is tuple:
-            if len(_ranked) >= _RANKED_MAX:
-                _ranked.clear()
-            _ranked[size] = (branches, settings, rows, feasible, scored, ranking, safe)
-    order = list(ranking)
-    n = len(order)
-
-    tied = 1
-    if n > 1 and request.prefix:
-        floor = scored[order[0]][0] - settings.tie_epsilon
-        for j in order[1 : min(settings.top_k, safe)]:
-            if scored[j][0] < floor:
-                break
-            tied += 1
-        if tied > 1:
-            key = affinity.prefix_key(request.prefix)
-            win = affinity.pick(key, [branches[feasible[j]].id for j in order[:tied]])
-            if win:
-                order.insert(0, order.pop(win))
-
-    chosen = [feasible[j] for j in order]
-    reason = _reason(order, scored, branches[chosen[0]], settings)
-    if safe < n and scored[order[0]][0] < max(s[0] for s in scored):
-        reason = "shifted:margin"  # a better score is in time only on average
-    if tied > 1:
-        reason += "+affinity"
-    trace = _Trace(requirement, request, branches, rows, feasible, scored, chosen, settings)
-    return Decision(model, tuple([branches[i].id for i in chosen]), reason, None, False, trace)
-
-
-def _by_margin(
-    requirement: Requirement,
-    request: RequestShape,
-    branches: Sequence[BranchState],
-    rows: Sequence[Row],
-    feasible: Sequence[int],
-    ranking: tuple[int, ...],
-    settings: RoutingSettings,
-) -> tuple[tuple[int, ...], int]:
-    """``ranking`` with the branches that meet the deadline with a margin first, and how
-    many those are (all of them without a deadline or a margin).
-
-    The deadline filter predicts with the observed mean; a request whose deadline sits
-    near it is a coin toss there. When some feasible branches still meet the deadline at
-    ``routing.speeds.margin_deviations`` deviations above their observed speed, they go
-    first, by score, and the ones in time only on average follow as fallbacks (never
-    dropped: when none has the margin, the order is the score's)."""
-    deadline = requirement.deadline_ms
-    k = settings.speeds.margin_deviations
-    if deadline is None or k <= 0.0:
-        return ranking, len(ranking)
-    later = max(0, request.max_tokens - 1)
-    risky = set()
-    for j in ranking:
-        b = branches[feasible[j]]
-        predicted = rows[feasible[j]][3]
-        if b.observed_ttft_ms is None or predicted is None:
-            continue
-        spread = k * (b.observed_ttft_dev_ms + later * b.observed_tpot_dev_ms)
-        if predicted + spread > deadline:
-            risky.add(j)
-    if not risky or len(risky) == len(ranking):
-        return ranking, len(ranking)
-    first = tuple(j for j in ranking if j not in risky)
-    return first + tuple(j for j in ranking if j in risky), len(first)
+    ranked, rows = rank(requirement, request, branches, settings)
+    if ranked is None:
+        return _nothing_feasible(model, requirement, request, branches, rows, settings)
+    chosen, ids, reason = ranked.decide(branches, request, settings)
+    trace = _Trace(
+        requirement, request, branches, rows, ranked.feasible, ranked.scored, chosen, settings
+    )
+    return Decision(model, ids, reason, None, False, trace)
 
 
 def explain(
@@ -370,29 +289,6 @@ def explain(
     return _Trace(
         requirement, request, branches, rows, feasible, scored, (), settings
     ).explanations()
-
-
-def _reason(
-    order: Sequence[int],
-    scored: Sequence[tuple[float, tuple[float, ...]]],
-    primary: BranchState,
-    settings: RoutingSettings,
-) -> str:
-    if len(order) == 1:
-        return "only-feasible"
-    top = order[0]
-    best_fit = max(order, key=lambda j: scored[j][1][0])
-    fit_gap = scored[best_fit][1][0] - scored[top][1][0]
-    if fit_gap <= 1e-12:
-        return f"best-fit:{regime(primary.device_free_bytes, settings).value}"
-    term_weights = weights(settings)
-    gains = [
-        term_weights[t] * (scored[top][1][t] - scored[best_fit][1][t]) for t in range(1, len(TERMS))
-    ]
-    gain = max(gains)
-    if gain <= 0.0:  # prefix affinity put a near-tied branch with a lower fit first
-        return "near-tie"
-    return f"shifted:{TERMS[1 + gains.index(gain)]}"
 
 
 def _nothing_feasible(

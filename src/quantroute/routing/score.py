@@ -47,7 +47,7 @@ per-device rankings would both say "best fit" and tie.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from enum import StrEnum
 
 from quantroute.routing.records import BranchState, Row
@@ -129,6 +129,19 @@ def score_branches(
 
     ``terms`` are the unweighted values in the order of :data:`TERMS`.
     """
+    ladder = fidelity_ladder(branches, feasible)
+    return score_some(requirement, branches, rows, feasible, range(len(feasible)), ladder, settings)
+
+
+# Per feasible branch (in the order of ``feasible``) its cost (bits per weight / the
+# reference's) and fidelity level, and each model's cheapest feasible cost: what a branch's
+# fit depends on beyond its own record. It holds while the feasible set and each feasible
+# branch's model, precision, reference flag and mean KLD do.
+Ladder = tuple[list[float], list[int], dict[str, float]]
+
+
+def fidelity_ladder(branches: Sequence[BranchState], feasible: Sequence[int]) -> Ladder:
+    """The :data:`Ladder` of the feasible branches."""
     ref_bits = reference_bits(branches)
     inf = math.inf
     n = len(feasible)
@@ -164,7 +177,22 @@ def score_branches(
             k = 0 if seen is None else (seen[1] if seen[0] == key else seen[1] + 1)
             previous[model] = (key, k)
             level[j] = k
+    return cost, level, cheapest
 
+
+def score_some(
+    requirement: Requirement,
+    branches: Sequence[BranchState],
+    rows: Sequence[Row],
+    feasible: Sequence[int],
+    which: Iterable[int],
+    ladder: Ladder,
+    settings: RoutingSettings,
+) -> list[tuple[float, tuple[float, ...]]]:
+    """``(score, terms)`` of the feasible branches ``feasible[j]`` for ``j`` in ``which``, in
+    that order: a branch's score depends only on its own record and row, the requirement,
+    the settings and the ``ladder``, so one whose record changed can be scored alone."""
+    cost, level, cheapest = ladder
     (w_fit, w_headroom, w_load, w_latency, w_health, w_heat), decays = _constants(settings)
     ratio = settings.constrained_cost_ratio
     ample = settings.ample_free_bytes
@@ -176,7 +204,8 @@ def score_branches(
 
     out: list[tuple[float, tuple[float, ...]]] = []
     append = out.append
-    for j, i in enumerate(feasible):
+    for j in which:
+        i = feasible[j]
         b = branches[i]
         row = rows[i]
         free = b.device_free_bytes

@@ -22,6 +22,7 @@ mean of 1 ms and 9 ms per token predicts 5 ms, the right mean time, where the me
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["ObservedSpeed", "ObservedSpeeds", "observe_finished"]
@@ -95,6 +96,12 @@ class ObservedSpeeds:
             )
         self._speeds[branch_id] = new
         return new
+
+    def table(self) -> tuple[Mapping[str, ObservedSpeed], float]:
+        """Every branch's latest estimate, read only, and ``max_age_s``: for a caller that
+        reads many branches at once (routing, per request) without a call per branch;
+        an estimate older than ``max_age_s`` counts as none, as in :meth:`get`."""
+        return self._speeds, self._max_age_s
 
     def get(self, branch_id: str, now: float | None = None) -> ObservedSpeed | None:
         """The estimate, or ``None`` with no observation within ``max_age_s``. The same

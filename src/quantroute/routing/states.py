@@ -10,6 +10,7 @@ monitor's verdicts, the circuit breakers, device health, and request popularity
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -47,6 +48,8 @@ class RecentRate:
     def __init__(self, window_s: float = RATE_WINDOW_S):
         self._window_s = window_s
         self._rates: dict[str, tuple[float, float]] = {}  # id -> (rate at last use, last use)
+        # id -> (the _rates entry it was computed from, its step, from, until): steps_now
+        self._stepped: dict[str, tuple[tuple[float, float], float, float, float]] = {}
 
     def record(self, branch_id: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -70,6 +73,30 @@ class RecentRate:
             return 0.0 if got is None or not got[1] else got[0] * exp((got[1] - now) / window)
 
         return rate
+
+    def steps_now(self, now: float) -> Callable[[str], float]:
+        """``_steps(rate(branch_id, now))`` for one ``now``, the stepped rate routing keys its
+        records on. A branch's rate only decays between its requests, so its step holds
+        until a time worked out when it was last computed; until then (and until the next
+        request replaces the branch's entry) it is returned without an ``exp`` or a ``log``."""
+        rates = self._rates
+        cache = self._stepped
+        window = self._window_s
+        exp = math.exp
+
+        def stepped(branch_id: str) -> float:
+            got = rates.get(branch_id)
+            if got is None or not got[1]:
+                return 0.0
+            hit = cache.get(branch_id)
+            if hit is not None and hit[0] is got and hit[2] <= now < hit[3]:
+                return hit[1]
+            rate = got[0] * exp((got[1] - now) / window)
+            step = _steps(rate)
+            cache[branch_id] = (got, step, now, now + window * _step_life(rate, step))
+            return step
+
+        return stepped
 
     def last_used(self, branch_id: str) -> float:
         """Monotonic time of the branch's last request; 0 if never."""
@@ -98,7 +125,9 @@ class BranchStates:
     not closed (a half-open breaker's probes come and go without an opening). Device
     health is thus as of the last snapshot (one poll interval; a worker's crash makes
     its branch not ready at once anyway). The tuple returned is the same object while no
-    branch's record changed.
+    branch's record changed, and a branch whose inputs return to values it had lately (a
+    load going 1, 2, 1) gets back the record it had then, the same object, so the policy
+    finds what it computed for it.
     """
 
     def __init__(
@@ -168,23 +197,27 @@ class BranchStates:
                 for gone in [k for k in self._models if k not in live]:
                     del self._models[gone]
         routable = self._lifecycle.routable
-        rates = self._popularity.rates_now(now)
-        speed = self._speeds.get
+        popularity = self._popularity
+        entries, stepped_cache = popularity._rates, popularity._stepped
+        stepped = popularity.steps_now(now)
+        speeds, max_age_s = self._speeds.table()
         keys = m.keys
         records = m.records
         changed = False
-        for k, b in enumerate(route.branches):
-            engine = b.engine
-            key: _Key = (
-                routable(b),
-                engine.in_flight,
-                engine.info,
-                _steps(rates(b.id)),
-                speed(b.id, now),
-            )
+        # steps_now and speeds.get inlined for their common case: two dict reads, no calls
+        for k, b, engine, branch_id in m.members:
+            hit = stepped_cache.get(branch_id)
+            if hit is not None and hit[0] is entries.get(branch_id) and hit[2] <= now < hit[3]:
+                rate = hit[1]
+            else:
+                rate = stepped(branch_id)
+            speed = speeds.get(branch_id)
+            if speed is not None and now - speed.at > max_age_s:
+                speed = None
+            key: _Key = (routable(b), engine.in_flight, engine.info, rate, speed)
             if key != keys[k]:
                 keys[k] = key
-                records[k] = _state(route.reference, b, m.fixed[k], *key)
+                records[k] = m.record(k, key)
                 changed = True
         if changed or m.states is None:
             m.states = tuple(records)
@@ -217,18 +250,36 @@ class BranchStates:
         old = self._models.get(route.name)
         n = len(route.branches)
         if old is not None and old.route is route and old.fixed == fixed:
-            return _Model(route, stamp, old.fixed, closed, old.keys, old.records, old.states)
-        return _Model(route, stamp, fixed, closed, [None] * n, [None] * n, None)  # type: ignore[list-item]
+            kept = _Model(
+                route, stamp, old.fixed, closed, old.static, old.keys, old.records, old.states
+            )
+            kept.seen = old.seen
+            return kept
+        return _Model(route, stamp, fixed, closed, [None] * n, [None] * n, [None] * n, None)  # type: ignore[list-item]
 
 
 _Fixed = tuple[Placement | None, bool, bool, tuple[int, int, float, float]]
 _Key = tuple[bool, int, EngineInfo | None, float, ObservedSpeed | None]
 
 
+_SEEN_MAX = 8  # records remembered per branch
+
+
 class _Model:
     """One model's records and what they were built from."""
 
-    __slots__ = ("closed", "fixed", "keys", "records", "route", "stamp", "states")
+    __slots__ = (
+        "closed",
+        "fixed",
+        "keys",
+        "members",
+        "records",
+        "route",
+        "seen",
+        "stamp",
+        "states",
+        "static",
+    )
 
     def __init__(
         self,
@@ -236,60 +287,146 @@ class _Model:
         stamp: tuple[object, ...],
         fixed: list[_Fixed],
         closed: bool,
+        static: list[_Static | None],
         keys: list[_Key | None],
         records: list[BranchState],
         states: tuple[BranchState, ...] | None,
     ):
         self.route = route
+        # per branch: its place, itself, its engine and id, for the per-request loop
+        self.members = [(k, b, b.engine, b.id) for k, b in enumerate(route.branches)]
         self.stamp = stamp
         self.fixed = fixed  # per branch: placement, breaker open, degraded, device figures
         self.closed = closed  # every breaker closed: their version alone says when to reread
+        self.static = static  # per branch: its records' static fields, from ``fixed``
+        # per branch: its last few records by (ready, in flight, rate step), each with the
+        # engine info and speed objects it was built from: a load going up and down (1, 2,
+        # 1, 0 sequences) comes back to a record it had, and gets the same object again
+        self.seen: list[dict[tuple[bool, int, float], tuple[object, object, BranchState]]] = [
+            {} for _ in route.branches
+        ]
         self.keys = keys  # per branch: the per-request inputs its record was built from
         self.records = records
         self.states = states
 
+    def record(self, k: int, key: _Key) -> BranchState:
+        """Branch ``k``'s record for ``key``: one it had for the same inputs, or a new one."""
+        ready, in_flight, info, rate, speed = key
+        seen = self.seen[k]
+        got = seen.get((ready, in_flight, rate))
+        if got is not None and got[0] is info and got[1] is speed:
+            return got[2]
+        static = self.static[k]
+        if static is None:
+            static = self.static[k] = _static(
+                self.route.reference, self.route.branches[k], self.fixed[k]
+            )
+        record = _state(static, *key)
+        if len(seen) >= _SEEN_MAX:
+            seen.clear()
+        seen[ready, in_flight, rate] = (info, speed, record)
+        return record
+
+
+# A record is rebuilt on most requests under load (its branch's load moved), and a frozen
+# dataclass's ``__init__`` (keyword arguments, a frozen ``__setattr__`` per field) costs
+# about 6 µs for BranchState's 27 fields. So records are filled through the slots'
+# descriptors instead: the fields that hold while the branch's fixed inputs do are worked
+# out once (``_static``), the per-request ones set on each rebuild (``_state``). Every field
+# is one or the other (checked here, so a new field cannot be left unset).
+_STATIC = (
+    "id",
+    "model",
+    "name",
+    "precision",
+    "is_reference",
+    "breaker_open",
+    "degraded",
+    "mean_kld",
+    "top1",
+    "prefill_tps",
+    "decode_tps",
+    "kv_bytes_per_token",
+    "device",
+    "device_free_bytes",
+    "device_total_bytes",
+    "device_health",
+    "heat",
+    "mean_service_ms",
+)
+_PER_REQUEST = (
+    "ready",
+    "running",
+    "queued",
+    "parallel",
+    "recent_rate",
+    "observed_ttft_ms",
+    "observed_tpot_ms",
+    "observed_ttft_dev_ms",
+    "observed_tpot_dev_ms",
+)
+if sorted(_STATIC + _PER_REQUEST) != sorted(f.name for f in dataclasses.fields(BranchState)):
+    raise AssertionError("routing.states: every BranchState field must be static or per request")
+_SET_STATIC = tuple(getattr(BranchState, name).__set__ for name in _STATIC)
+_SET_PER_REQUEST = tuple(getattr(BranchState, name).__set__ for name in _PER_REQUEST)
+_Static = tuple[tuple[Callable[[BranchState, object], None], object], ...]
+
+
+def _static(reference: str, b: Branch, fixed: _Fixed) -> _Static:
+    """The setters and values of the record's :data:`_STATIC` fields."""
+    profile = b.profile
+    placement, breaker_open, degraded, (free, total, health, heat) = fixed
+    values = (
+        b.id,
+        b.model,
+        b.name,
+        b.precision,
+        b.name == reference,
+        breaker_open,
+        degraded,
+        profile.mean_kld if profile else None,
+        profile.top1 if profile else None,
+        profile.prefill_tps if profile else None,
+        profile.decode_tps if profile else None,
+        placement.kv_bytes_per_token if placement else 0,
+        placement.device if placement and placement.device else "cpu",
+        free,
+        total,
+        health,
+        heat,
+        None,
+    )
+    return tuple(zip(_SET_STATIC, values, strict=True))
+
 
 def _state(
-    reference: str,
-    b: Branch,
-    fixed: _Fixed,
+    static: _Static,
     ready: bool,
     in_flight: int,
     info: EngineInfo | None,
     recent_rate: float,
     speed: ObservedSpeed | None,
 ) -> BranchState:
-    profile = b.profile
-    placement, breaker_open, degraded, (free, total, health, heat) = fixed
+    """The branch's record: its static fields and these per-request inputs."""
     parallel = info.parallel if info is not None else 1
-    return BranchState(
-        id=b.id,
-        model=b.model,
-        name=b.name,
-        precision=b.precision,
-        is_reference=b.name == reference,
-        ready=ready,
-        breaker_open=breaker_open,
-        degraded=degraded,
-        mean_kld=profile.mean_kld if profile else None,
-        top1=profile.top1 if profile else None,
-        prefill_tps=profile.prefill_tps if profile else None,
-        decode_tps=profile.decode_tps if profile else None,
-        kv_bytes_per_token=placement.kv_bytes_per_token if placement else 0,
-        device=placement.device if placement and placement.device else "cpu",
-        device_free_bytes=free,
-        device_total_bytes=total,
-        device_health=health,
-        running=min(in_flight, parallel),
-        queued=max(0, in_flight - parallel),
-        parallel=parallel,
-        recent_rate=recent_rate,
-        heat=heat,
-        observed_ttft_ms=speed.ttft_ms if speed is not None else None,
-        observed_tpot_ms=speed.tpot_ms if speed is not None else None,
-        observed_ttft_dev_ms=speed.ttft_dev_ms if speed is not None else 0.0,
-        observed_tpot_dev_ms=speed.tpot_dev_ms if speed is not None else 0.0,
+    record: BranchState = object.__new__(BranchState)
+    for set_field, value in static:
+        set_field(record, value)
+    values = (
+        ready,
+        min(in_flight, parallel),
+        max(0, in_flight - parallel),
+        parallel,
+        recent_rate,
+        *(
+            (speed.ttft_ms, speed.tpot_ms, speed.ttft_dev_ms, speed.tpot_dev_ms)
+            if speed is not None
+            else (None, None, 0.0, 0.0)
+        ),
     )
+    for set_field, value in zip(_SET_PER_REQUEST, values, strict=True):
+        set_field(record, value)
+    return record
 
 
 _STEP = 2.0**0.25  # a recent rate counts in steps of about a fifth
@@ -303,6 +440,16 @@ def _steps(rate: float) -> float:
     if rate < 0.01:
         return 0.0
     return float(_STEP ** round(math.log(rate, _STEP)))
+
+
+def _step_life(rate: float, step: float) -> float:
+    """For how many rate windows a decaying ``rate`` keeps its :func:`_steps` value
+    ``step``, a little less to stay clear of rounding at the edge: until it falls below
+    the step's lower edge (half a step down) or, for the lowest step, 0.01 req/s."""
+    if step == 0.0:
+        return math.inf  # under 0.01 req/s, and it only decays
+    edge = max(0.01, step * _STEP**-0.5)
+    return math.log(rate / edge) - 1e-6 if rate > edge else 0.0
 
 
 def _free(headroom: int, cap: int | None, stale: bool) -> int:
