@@ -17,8 +17,9 @@ quality    the requirement has no bound; or the branch is the reference (it meet
 memory     ``device_free_bytes >= kv_bytes_per_token * (prompt_tokens + max_tokens)``
 deadline   no deadline; or unknown speeds (passes, marked "unknown"); or the predicted latency
            ``queue wait + service`` is at most ``deadline_ms``. ``service`` is the branch's
-           observed end-to-end speed when it has one (``observed_ttft_ms + (max_tokens - 1)
-           * observed_tpot_ms``, ``routing.speeds``), else the profile's engine-only speed,
+           observed end-to-end speed when it has one (``max(observed_ttft_ms,
+           prompt_tokens / prefill_tps) + (max_tokens - 1) * observed_tpot_ms``,
+           ``routing.speeds``), else the profile's engine-only speed,
            ``prompt_tokens / prefill_tps + max_tokens / decode_tps``
 =========  ===================================================================================
 
