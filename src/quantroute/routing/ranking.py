@@ -204,7 +204,8 @@ def _decided(
         order.insert(0, order.pop(win))
     chosen = [memo.feasible[j] for j in order]
     reason = _reason(order, scored, branches[chosen[0]], settings)
-    if memo.safe < len(order) and scored[order[0]][0] < max(s[0] for s in scored):
+    # the ranking's own head (before affinity's pick among the tied): the margin moved it
+    if memo.safe < len(order) and scored[memo.ranking[0]][0] < max(s[0] for s in scored):
         reason = "shifted:margin"  # a better score is in time only on average
     if win >= 0:
         reason += "+affinity"
