@@ -144,3 +144,31 @@ async def test_a_whole_response_reads_its_one_choice_without_a_pump(
         assert run.usage_tokens == events[-1][1].prompt_tokens + 12
     else:
         assert len(tokens) == crash_after and outcome == [False] and finished == []
+
+
+@pytest.mark.parametrize("lag_s", [0.0, 0.3])
+async def test_a_run_whose_reader_fell_behind_is_held(lag_s: float) -> None:
+    """A reader the run's own buffer had to wait for marks the run ``held`` (its timing is
+    the reader's: routing's observed speed leaves it out), though the engine never paused."""
+    engine = FakeEngine(token_delay_s=0.001)  # 300 tokens in about 0.3 s
+    table = fake_table({"f16": engine})
+    branch = table.models["tiny-llama"].branches[0]
+    req = CompletionRequest(model="tiny-llama:f16", prompt="x", max_tokens=300, stream=True)
+    job = build_job(
+        req,
+        pinned("tiny-llama", branch.id, ready=True, retry_after_s=1.0),
+        (branch,),
+        None,
+        max_tokens=300,
+        deadline=None,
+    )
+    await engine.start()
+    stream = aiter(engine.generate(job.requests[0]))
+    first = await anext(stream)
+    run = Run(job, branch, [stream], [1], pending=[[first]], stall_timeout_s=10.0)
+    batches = aiter(run.batches())
+    await anext(batches)
+    await asyncio.sleep(lag_s)  # a reader that looks away while the tokens come
+    async for _ in batches:
+        pass
+    assert run.held is (lag_s > 0)

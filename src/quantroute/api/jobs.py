@@ -225,6 +225,7 @@ class Run:
 
     async def _emit(self, index: int, event: EngineEvent) -> None:
         if self._room <= 0:  # the reader is behind: wait, but not forever
+            self.held = True  # and its timing is the reader's, not the engine's
             try:
                 async with asyncio.timeout(self._stall_timeout_s):
                     while self._room <= 0:

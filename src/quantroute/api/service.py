@@ -233,6 +233,7 @@ class Service:
         )
         trace.admitted(model, ticket.waited_s)
         try:
+            requirement = _after_queue(requirement, ticket.waited_s)
             decision, branches = await self.decide(req, requirement, shape, who)
             info = branches[0].engine.info
             if info is not None:  # a model's branches share one vocabulary
@@ -349,3 +350,18 @@ def _prompt_text(req: ChatCompletionRequest | CompletionRequest) -> str:
     if isinstance(req, ChatCompletionRequest):
         return "\n".join(m.text for m in req.messages)
     return req.prompts[0]
+
+
+_BUDGET_STEP_MS = 5.0  # the deadline left after the queue, rounded down to this
+
+
+def _after_queue(requirement: Requirement, waited_s: float) -> Requirement:
+    """``requirement`` with what its time in the admission queue left of its deadline:
+    routing predicts a branch's time from the engine on (``routing/speeds.py``), so a
+    request that waited must fit in less. Rounded down to a few milliseconds, so that
+    requests that waited alike share the policy's ranking."""
+    ms = requirement.deadline_ms
+    if ms is None or waited_s <= 0.0:
+        return requirement
+    left = ms - 1000.0 * waited_s
+    return replace(requirement, deadline_ms=max(0.0, left // _BUDGET_STEP_MS * _BUDGET_STEP_MS))

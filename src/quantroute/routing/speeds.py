@@ -6,8 +6,8 @@ sequences and the gateway, 3-8x slower on the demo machine. :class:`ObservedSpee
 keeps, per branch, an exponentially weighted mean of two figures fed when a request
 finishes (``Gateway.finished``): its time to first token (from when the engine got
 it, past the admission queue, which the deadline filter adds itself) and its time per
-output token after the first. Requests the engine held for a slow reader, and those a
-replaced worker served, are left out. The deadline filter predicts with them once a
+output token after the first. Requests whose reader fell behind (the engine held them,
+or the run's buffer waited), and those a replaced worker served, are left out. The deadline filter predicts with them once a
 branch has observations, never a first token sooner than the profile's prefill of the
 request's prompt (an average of short prompts says nothing of a long one), and with
 the profile before (or after ``max_age_s``
