@@ -4,10 +4,11 @@ The profile's ``prefill_tps`` / ``decode_tps`` are the engine's speed alone, mea
 idle; a request also pays the admission queue, the slot wait, batching with the other
 sequences and the gateway, 3-8x slower on the demo machine. :class:`ObservedSpeeds`
 keeps, per branch, an exponentially weighted mean of two figures fed when a request
-finishes (``Gateway.finished``): its time to first token (from when the engine got
-it, past the admission queue, which the deadline filter adds itself) and its time per
-output token after the first. Requests whose reader fell behind (the engine held them,
-or the run's buffer waited), and those a replaced worker served, are left out. The deadline filter predicts with them once a
+finishes (``Gateway.finished``): its time to first token, from when the engine got it
+(past the admission queue: a request that waited there is routed with the deadline it
+has left), and its time per output token after the first. Requests whose reader fell
+behind (the engine held them, or the run's buffer waited), and those a replaced worker
+served, are left out. The deadline filter predicts with them once a
 branch has observations, never a first token sooner than the profile's prefill of the
 request's prompt (an average of short prompts says nothing of a long one), and with
 the profile before (or after ``max_age_s``
@@ -142,11 +143,12 @@ def observe_finished(
     (``observability.requests.RequestTrace``: ``t0`` its arrival and ``ttft_s`` on the
     ``perf_counter`` clock) and ``opened``, when the engine got it (``perf_counter``).
 
-    The time to first token is counted from ``opened``, past the admission queue: the
-    deadline filter adds the queue ahead of a request itself, so a figure that held the
-    queue too would count it twice. Left out: a request that fell back (its first token
-    waited for another branch's failure), one without a first token, and one the engine
-    ``held`` for its slow reader (its decode time is the client's reading time)."""
+    The time to first token is counted from ``opened``, past the admission queue: a
+    request is routed with what the queue left of its deadline, and the deadline filter
+    adds the requests ahead on the branch itself, so a figure that held a queue would
+    count it twice. Left out: a request that fell back (its first token waited for
+    another branch's failure), one without a first token, and one ``held`` because its
+    reader fell behind (its decode time is the client's reading time)."""
     ttft_s = getattr(trace, "ttft_s", None)
     t0 = getattr(trace, "t0", None)
     if ttft_s is None or t0 is None or held or getattr(trace, "fallbacks", None):
