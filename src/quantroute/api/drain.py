@@ -31,8 +31,11 @@ T = TypeVar("T")
 
 
 class Drains:
-    def __init__(self, gateway: Gateway):
+    def __init__(self, gateway: Gateway, lock: asyncio.Lock | None = None):
         self._gateway = gateway
+        # the reloads' lock: a drain forgets an id's placement only between reloads, never
+        # while one is placing and starting a new worker for that id
+        self._lock = lock or asyncio.Lock()
         self._draining: list[Branch] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = asyncio.Event()
@@ -95,9 +98,10 @@ class Drains:
             except Exception:
                 log.exception("reload: stopping the replaced %s failed", b.id)
             # an id the table serves now (a later reload may have brought it back) keeps
-            # its placement; the others' go
-            if b.id not in {x.id for x in self._gateway.routes.current.branches()}:
-                self._gateway.forget(b.id)
+            # its placement; the others' go, decided between reloads
+            async with self._lock:
+                if b.id not in {x.id for x in self._gateway.routes.current.branches()}:
+                    self._gateway.forget(b.id)
 
     async def close(self) -> None:
         """The gateway is stopping: every drain stops its workers now; wait for them."""

@@ -88,7 +88,7 @@ class Reloader:
         self._last_started = self._last_failure_started = float("-inf")  # monotonic
         self.last_failure: ReloadReport | None = None
         self.hooks: list[Callable[[ReloadReport], None]] = []
-        self.drains = Drains(gateway)
+        self.drains = Drains(gateway, self._lock)
 
     def adopt(self, scan: RepositoryScan, builds: Sequence[ModelBuild]) -> None:
         """The first table's fingerprints and folders (the gateway's start)."""
