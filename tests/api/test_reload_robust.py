@@ -118,6 +118,21 @@ async def test_shutdown_stops_the_workers_still_draining_once(tmp_path: Path) ->
     assert gateway.reloader.last is not None and gateway.reloader.last.drained == 1
 
 
+async def test_no_reload_swaps_once_the_gateway_stopped(tmp_path: Path) -> None:
+    """A reload after (or waiting on the lock during) shutdown starts no worker that would
+    outlive it: it fails, and the table stays the one shutdown stopped."""
+    repo = one_branch_repo(tmp_path, "q4_k_m")
+    folder = repo / MODEL
+    async with serving(create_app(settings_for(repo))) as (_client, gateway):
+        version = gateway.routes.current.version
+    replace_file(folder, (demo_model_dir() / "q8_0.gguf").read_bytes())
+    write_manifest(folder, "q8_0")
+    report = await gateway.reloader.reload("watch: main.gguf")
+    assert report.outcome == "failed" and "stopping" in report.failures["repository"]
+    assert gateway.routes.current.version == version
+    assert all(not b.engine.ready for b in gateway.routes.current.branches())
+
+
 async def test_requests_routed_before_the_swap_that_start_after_it_lose_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

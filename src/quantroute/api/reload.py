@@ -81,6 +81,7 @@ class Reloader:
     def __init__(self, gateway: Gateway):
         self._gateway = gateway
         self._lock = asyncio.Lock()
+        self._stopped = False  # the gateway is stopping: no reload swaps any more
         self.fingerprints: dict[str, str] = {}  # branch id -> fingerprint of the serving one
         self._models_of: dict[Path, str] = {}  # model folder -> the model it serves
         self.counts: Counter[str] = Counter()  # reloads by outcome
@@ -118,6 +119,8 @@ class Reloader:
                     raise RuntimeError(
                         "this gateway serves a route table it was given, no repository"
                     )
+                if self._stopped:  # its new workers would outlive the gateway's stop
+                    raise RuntimeError("the gateway is stopping")
                 report, retired = await self._reload(trigger, started)
             except Exception as exc:  # a bug or an unreadable repository: keep serving
                 log.error(
@@ -304,7 +307,10 @@ class Reloader:
         return ok
 
     async def stop(self) -> None:
-        """Stop the workers still draining (the gateway is stopping)."""
+        """Stop the workers still draining (the gateway is stopping); a reload under way
+        finishes its swap first, and none starts after."""
+        async with self._lock:
+            self._stopped = True
         await self.drains.close()
 
 
