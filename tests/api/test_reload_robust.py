@@ -46,6 +46,21 @@ def count_stops(engine: Any, stops: Counter[int]) -> None:
     engine.stop = counted
 
 
+def hold_runs(monkeypatch: pytest.MonkeyPatch, gate: asyncio.Event) -> list[str]:
+    """While ``gate`` is clear, routed jobs wait before they start: the branch ids held."""
+    held: list[str] = []
+    start = Runner.start
+
+    async def delayed(self: Runner, job: Any) -> Any:
+        if not gate.is_set():
+            held.append(job.branches[0].id)
+            await gate.wait()
+        return await start(self, job)
+
+    monkeypatch.setattr(Runner, "start", delayed)
+    return held
+
+
 async def wait_for(condition: Any, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -142,16 +157,7 @@ async def test_requests_routed_before_the_swap_that_start_after_it_lose_nothing(
     repo = one_branch_repo(tmp_path, "q4_k_m")
     folder = repo / MODEL
     gate = asyncio.Event()
-    held: list[str] = []
-    start = Runner.start
-
-    async def delayed(self: Runner, job: Any) -> Any:
-        if not gate.is_set():
-            held.append(job.branches[0].id)
-            await gate.wait()
-        return await start(self, job)
-
-    monkeypatch.setattr(Runner, "start", delayed)
+    held = hold_runs(monkeypatch, gate)
     async with serving(create_app(settings_for(repo))) as (client, gateway):
         gate.set()
         old_sha = await answering_artifact(client)
@@ -198,16 +204,7 @@ async def test_a_retired_branch_without_successor_falls_back_without_counting(
     versioned_manifest(folder, [])
     gate = asyncio.Event()
     gate.set()
-    held: list[str] = []
-    start = Runner.start
-
-    async def delayed(self: Runner, job: Any) -> Any:
-        if not gate.is_set():
-            held.append(job.branches[0].id)
-            await gate.wait()
-        return await start(self, job)
-
-    monkeypatch.setattr(Runner, "start", delayed)
+    held = hold_runs(monkeypatch, gate)
     body = {"model": f"{MODEL}@v2", "prompt": "def ", "max_tokens": 2}
     async with serving(create_app(settings_for(repo))) as (client, gateway):
         gate.clear()

@@ -10,13 +10,24 @@ import contextlib
 import pytest
 
 from qrtest import demo_model_dir, fake_table
-from quantroute.api.jobs import ReaderStalledError, Run, build_job
+from quantroute.api.jobs import Job, ReaderStalledError, Run, build_job
 from quantroute.api.schemas import CompletionRequest
 from quantroute.engines.base import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from quantroute.engines.fake import FakeEngine
 from quantroute.engines.llamacpp import STREAM_HIGH_WATER, LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
 from quantroute.routing.policy import pinned
+from quantroute.routing.table import Branch
+
+
+def _pinned_job(engine: FakeEngine, max_tokens: int, *, stream: bool) -> tuple[Branch, Job]:
+    """A completion of ``max_tokens`` pinned to ``engine``'s one branch: its branch and job."""
+    branch = fake_table({"f16": engine}).models["tiny-llama"].branches[0]
+    req = CompletionRequest(
+        model="tiny-llama:f16", prompt="x", max_tokens=max_tokens, stream=stream
+    )
+    decision = pinned("tiny-llama", branch.id, ready=True, retry_after_s=1.0)
+    return branch, build_job(req, decision, (branch,), None, max_tokens=max_tokens, deadline=None)
 
 
 @pytest.mark.slow
@@ -59,17 +70,7 @@ async def test_the_worker_pauses_for_a_slow_reader_and_resumes() -> None:
 
 async def test_a_reader_stalled_past_its_limit_is_cut_off_and_the_slot_freed() -> None:
     engine = FakeEngine()
-    table = fake_table({"f16": engine})
-    branch = table.models["tiny-llama"].branches[0]
-    req = CompletionRequest(model="tiny-llama:f16", prompt="x", max_tokens=400, stream=True)
-    job = build_job(
-        req,
-        pinned("tiny-llama", branch.id, ready=True, retry_after_s=1.0),
-        (branch,),
-        None,
-        max_tokens=400,
-        deadline=None,
-    )
+    branch, job = _pinned_job(engine, 400, stream=True)
     await engine.start()
     stream = aiter(engine.generate(job.requests[0]))
     first = await anext(stream)
@@ -104,17 +105,7 @@ async def test_a_whole_response_reads_its_one_choice_without_a_pump(
     from quantroute.errors import EngineError
 
     engine = FakeEngine(faults=FakeFaults(crash_after=crash_after))
-    table = fake_table({"f16": engine})
-    branch = table.models["tiny-llama"].branches[0]
-    req = CompletionRequest(model="tiny-llama:f16", prompt="x", max_tokens=12)
-    job = build_job(
-        req,
-        pinned("tiny-llama", branch.id, ready=True, retry_after_s=1.0),
-        (branch,),
-        None,
-        max_tokens=12,
-        deadline=None,
-    )
+    branch, job = _pinned_job(engine, 12, stream=False)
     await engine.start()
     stream = aiter(engine.generate(job.requests[0]))
     pending = [await anext(stream), await anext(stream)]  # start and first token
@@ -151,17 +142,7 @@ async def test_a_run_whose_reader_fell_behind_is_held(lag_s: float) -> None:
     """A reader the run's own buffer had to wait for marks the run ``held`` (its timing is
     the reader's: routing's observed speed leaves it out), though the engine never paused."""
     engine = FakeEngine(token_delay_s=0.001)  # 300 tokens in about 0.3 s
-    table = fake_table({"f16": engine})
-    branch = table.models["tiny-llama"].branches[0]
-    req = CompletionRequest(model="tiny-llama:f16", prompt="x", max_tokens=300, stream=True)
-    job = build_job(
-        req,
-        pinned("tiny-llama", branch.id, ready=True, retry_after_s=1.0),
-        (branch,),
-        None,
-        max_tokens=300,
-        deadline=None,
-    )
+    branch, job = _pinned_job(engine, 300, stream=True)
     await engine.start()
     stream = aiter(engine.generate(job.requests[0]))
     first = await anext(stream)
