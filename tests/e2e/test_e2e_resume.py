@@ -3,12 +3,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from qrtest import demo_model_dir
+from qrtest import demo_model_dir, serve_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -41,40 +36,14 @@ BODY = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tenants = tmp_path_factory.mktemp("resume") / "tenants.yaml"
     tenants.write_text(TENANTS)
-    port = _free_port()
-    argv = [sys.executable, "-m", "quantroute.cli", "serve", "--repo",
-            str(demo_model_dir().parent), "--port", str(port), "--engine-parallel", "2",
-            "--auth-tenants-file", str(tenants),
-            "--streams-retention-s", str(RETENTION_S)]  # fmt: skip
-    proc = subprocess.Popen(argv)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
-            assert proc.poll() is None, "the server exited while starting"
-            assert time.monotonic() < deadline, "the server did not become ready in 90 s"
-            time.sleep(0.2)
+    flags = ("--engine-parallel", "2", "--auth-tenants-file", str(tenants),
+             "--streams-retention-s", str(RETENTION_S))  # fmt: skip
+    with serve_process(demo_model_dir().parent, *flags, ready_s=90) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
 
 
 class Event:

@@ -91,11 +91,12 @@ def test_penalties_match_the_reference(penalties: Penalties) -> None:
     assert np.allclose(got, want, rtol=1e-6) and np.isneginf(got[4])
 
 
-@pytest.mark.parametrize(
-    ("temperature", "top_p", "top_k", "min_p"),
-    [(1.0, 1.0, 0, 0.0), (0.7, 1.0, 0, 0.2), (1.3, 0.8, 0, 0.05), (1.0, 1.0, 3, 0.5),
-     (2.0, 0.95, 5, 0.1), (0.5, 1.0, 0, 1.0)],
-)  # fmt: skip
+# (temperature, top_p, top_k, min_p): each truncation alone and together
+TRUNCATIONS = [(1.0, 1.0, 0, 0.0), (0.7, 1.0, 0, 0.2), (1.3, 0.8, 0, 0.05), (1.0, 1.0, 3, 0.5),
+               (2.0, 0.95, 5, 0.1), (0.5, 1.0, 0, 1.0)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("temperature", "top_p", "top_k", "min_p"), TRUNCATIONS)
 def test_the_distribution_matches_the_reference(
     temperature: float, top_p: float, top_k: int, min_p: float
 ) -> None:
@@ -172,11 +173,7 @@ def test_the_chains_penalties_have_vllms_meaning(penalties: Penalties) -> None:
     assert np.allclose(got, _softmax(_reference_penalize(LOGITS, penalties)), atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    ("temperature", "top_p", "top_k", "min_p"),
-    [(1.0, 1.0, 0, 0.0), (0.7, 1.0, 0, 0.2), (1.3, 0.8, 0, 0.05), (1.0, 1.0, 3, 0.5),
-     (2.0, 0.95, 5, 0.1), (0.5, 1.0, 0, 1.0)],
-)  # fmt: skip
+@pytest.mark.parametrize(("temperature", "top_p", "top_k", "min_p"), TRUNCATIONS)
 def test_the_chains_distribution_matches_the_reference(
     temperature: float, top_p: float, top_k: int, min_p: float
 ) -> None:
