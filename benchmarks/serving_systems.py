@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import httpx
-
+from lean_http import Connection, ConnectionClosed
 from servers import Server, free_port, quantroute_command, tree_cpu_s
 
 QUANTROUTE, LLAMA_SERVER, LCP, LCP_QUEUE, CEILING = (
@@ -137,7 +136,7 @@ class HttpSystem:
         self.server = server
         self.extra_body = extra_body
         self.max_clients = max_clients
-        self.client: httpx.AsyncClient | None = None
+        self.idle: list[Connection] = []  # kept-alive connections no stream is using
         self.retries = 0
 
     def start(self, timeout_s: float) -> None:
@@ -155,14 +154,12 @@ class HttpSystem:
         return self.server.cpu_s()
 
     async def open(self) -> None:
-        limits = httpx.Limits(max_connections=self.max_clients + 2)
-        self.client = httpx.AsyncClient(
-            base_url=self.server.base_url, limits=limits, timeout=httpx.Timeout(600.0)
-        )
+        self.idle = []
 
     async def close(self) -> None:
-        if self.client is not None:
-            await self.client.aclose()
+        for conn in self.idle:
+            conn.close()
+        self.idle = []
 
     def body(self, work: Workload) -> dict[str, Any]:
         return {
@@ -177,29 +174,45 @@ class HttpSystem:
 
     async def stream(self, work: Workload) -> Stream:
         """One streamed completion. A request sent on a kept-alive connection the server had
-        just closed (cpp-httplib closes idle ones) gets no response at all: it is sent again
-        once, timed from the new send, as any HTTP client retries it; ``retries`` counts."""
-        record = await self._stream_once(work)
-        if record.error is not None and "disconnected without sending a response" in record.error:
-            self.retries += 1
-            record = await self._stream_once(work)
+        just closed (cpp-httplib and uvicorn close idle ones) gets no response at all: it is
+        sent again once, on a new connection, timed from the new send, as any HTTP client
+        retries it; ``retries`` counts."""
+        conn = self.idle.pop() if self.idle else Connection("127.0.0.1", self.server.port)
+        try:
+            record, stale = await self._stream_once(conn, work)
+            if stale:
+                self.retries += 1
+                conn = Connection("127.0.0.1", self.server.port)
+                record, _ = await self._stream_once(conn, work)
+        except BaseException:
+            conn.close()
+            raise
+        if conn.writer is not None and len(self.idle) < self.max_clients + 2:
+            self.idle.append(conn)
+        else:
+            conn.close()
         return record
 
-    async def _stream_once(self, work: Workload) -> Stream:
-        assert self.client is not None
+    async def _stream_once(self, conn: Connection, work: Workload) -> tuple[Stream, bool]:
+        """One request on ``conn``, and whether the connection turned out stale (closed by
+        the server before any response)."""
+        body = json.dumps(self.body(work)).encode()
         record = Stream(sent=time.perf_counter())
         try:
-            async with self.client.stream("POST", "/v1/completions", json=self.body(work)) as resp:
-                if resp.status_code != 200:
-                    record.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                    return record
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    record.fold_chunk(json.loads(line[6:]), time.perf_counter())
-        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+            resp = await conn.post("/v1/completions", body)
+            if resp.status != 200:
+                record.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
+                return record, False
+            async for line in resp.lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                record.fold_chunk(json.loads(line[6:]), time.perf_counter())
+        except ConnectionClosed:
+            return record, True
+        except (OSError, ValueError, asyncio.IncompleteReadError) as exc:  # JSON errors too
+            conn.close()
             record.error = f"{type(exc).__name__}: {exc}"
-        return record
+        return record, False
 
 
 def quantroute_system(repo: Path, cfg: Settings, logs: Path) -> HttpSystem:
