@@ -71,6 +71,7 @@ import uvloop
 
 from serving_systems import (
     ALL_SYSTEMS,
+    BARE,
     CEILING,
     LABELS,
     LCP,
@@ -81,6 +82,7 @@ from serving_systems import (
     System,
     WorkerCeiling,
     Workload,
+    bare_gateway_system,
     lcp_system,
     llama_server_system,
     quantroute_system,
@@ -216,8 +218,11 @@ class Cell:
 
 
 def ratios(cells: dict[tuple[str, str, int], Cell], model: str, n: int) -> dict[str, float | None]:
-    """quantroute / llama-server (and / the ceiling) for one model and client count."""
-    qr, peer, top = (cells.get((model, s, n)) for s in (QUANTROUTE, LLAMA_SERVER, CEILING))
+    """quantroute / llama-server (and / the ceiling, / the bare gateway) for one model and
+    client count."""
+    qr, peer, top, bare = (
+        cells.get((model, s, n)) for s in (QUANTROUTE, LLAMA_SERVER, CEILING, BARE)
+    )
 
     def r(a: Cell | None, b: Cell | None, metric: str) -> float | None:
         x, y = (None if c is None else getattr(c, metric) for c in (a, b))
@@ -229,6 +234,8 @@ def ratios(cells: dict[tuple[str, str, int], Cell], model: str, n: int) -> dict[
         "itl_p99": r(qr, peer, "p99_itl_ms"),
         "cpu_per_token": r(qr, peer, "cpu_us_per_token"),
         "decode_vs_ceiling": r(qr, top, "aggregate_tok_s"),
+        "decode_vs_bare": r(qr, bare, "aggregate_tok_s"),
+        "ttft_vs_bare": r(qr, bare, "median_ttft_ms"),
     }
 
 
@@ -328,6 +335,7 @@ def make_systems(
         "llama-cpp-python-queue": lcp_system(path, model_id, cfg, logs, interrupt=False),
         LCP: lcp_system(path, model_id, cfg, logs, interrupt=True),
         CEILING: WorkerCeiling(path, cfg, logs),
+        BARE: bare_gateway_system(path, cfg, logs),
     }
     return [made[name] for name in args.systems]
 
@@ -411,7 +419,9 @@ def ratio_lines(
             f"{model}, {n} client(s), quantroute / llama-server: aggregate decode "
             f"{_fmt(rt['decode'], 2)}x, median TTFT {_fmt(rt['ttft'], 2)}x, p99 ITL "
             f"{_fmt(rt['itl_p99'], 2)}x, CPU per token {_fmt(rt['cpu_per_token'], 2)}x; "
-            f"quantroute / ceiling: aggregate decode {_fmt(rt['decode_vs_ceiling'], 2)}x"
+            f"quantroute / ceiling: aggregate decode {_fmt(rt['decode_vs_ceiling'], 2)}x; "
+            f"quantroute / bare gateway: aggregate decode {_fmt(rt['decode_vs_bare'], 2)}x, "
+            f"median TTFT {_fmt(rt['ttft_vs_bare'], 2)}x"
         )
     return out
 
@@ -428,7 +438,7 @@ def plain(rows: list[list[str]]) -> str:
 
 
 COLORS = {QUANTROUTE: "#1f77b4", LLAMA_SERVER: "#ff7f0e", "llama-cpp-python-queue": "#999",
-          LCP: "#ccc", CEILING: "#2ca02c"}  # fmt: skip
+          LCP: "#ccc", CEILING: "#2ca02c", BARE: "#9467bd"}  # fmt: skip
 
 
 def save_chart(

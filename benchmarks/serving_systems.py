@@ -5,6 +5,9 @@
   the llama.cpp revision llama-cpp-python vendors), ``--parallel N``, continuous batching;
 * ``llama-cpp-python`` -- ``python -m llama_cpp.server``, with ``interrupt_requests`` on (its
   default: a new request cuts the running stream) and off (it queues);
+* ``bare-gateway`` -- ``benchmarks/bare_gateway.py``: uvicorn and one raw ASGI function in
+  front of quantroute's worker, driving it as the gateway does, with nothing else: the floor
+  of a Python gateway process over that worker;
 * ``ceiling`` -- quantroute's own worker (``python -m quantroute.engines.llamacpp_worker``)
   driven over its stdin/stdout protocol from this process: no gateway, no HTTP. quantroute
   serving over HTTP does all of this plus the gateway, so it cannot beat it.
@@ -29,8 +32,9 @@ from typing import Any, Protocol
 from lean_http import Connection, ConnectionClosed
 from servers import Server, free_port, quantroute_command, tree_cpu_s
 
-QUANTROUTE, LLAMA_SERVER, LCP, LCP_QUEUE, CEILING = (
+QUANTROUTE, LLAMA_SERVER, LCP, LCP_QUEUE, CEILING, BARE = (
     "quantroute", "llama-server", "llama-cpp-python", "llama-cpp-python-queue", "ceiling",
+    "bare-gateway",
 )  # fmt: skip
 LABELS = {
     QUANTROUTE: "quantroute",
@@ -38,8 +42,9 @@ LABELS = {
     LCP: "llama-cpp-python server",
     LCP_QUEUE: "llama-cpp-python server, interrupt_requests=False",
     CEILING: "ceiling: quantroute's worker, no gateway",
+    BARE: "bare gateway: uvicorn and quantroute's worker, nothing else",
 }
-ALL_SYSTEMS = (QUANTROUTE, LLAMA_SERVER, LCP_QUEUE, LCP, CEILING)
+ALL_SYSTEMS = (QUANTROUTE, LLAMA_SERVER, LCP_QUEUE, LCP, CEILING, BARE)
 BAN = -100.0  # the logit bias that keeps a token from ever being chosen
 
 
@@ -264,6 +269,18 @@ def lcp_system(
     server = Server(name, argv, port, "/v1/models", logs / f"{name}.log")
     # Its repeat_penalty defaults to 1.1; the others have none.
     return HttpSystem(server, {"repeat_penalty": 1.0}, cfg.parallel)
+
+
+def bare_gateway_system(model: Path, cfg: Settings, logs: Path) -> HttpSystem:
+    port = free_port()
+    argv = [
+        sys.executable, str(Path(__file__).with_name("bare_gateway.py")), "--model", str(model),
+        "--port", str(port), "--n-ctx", str(cfg.n_ctx), "--parallel", str(cfg.parallel),
+        "--threads", str(cfg.threads), "--n-gpu-layers", str(cfg.n_gpu_layers),
+        *(("--prompt-cache",) if cfg.prompt_cache else ()),
+    ]  # fmt: skip
+    server = Server(BARE, argv, port, "/health", logs / "bare-gateway.log")
+    return HttpSystem(server, {}, cfg.parallel)
 
 
 # -- the ceiling: the worker, driven directly ------------------------------------

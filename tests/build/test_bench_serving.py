@@ -1,5 +1,6 @@
 """The serving benchmark's own rules: one token count for all, checked; a run whose greedy
-text differs fails; the ceiling drives the real worker. (The benchmark itself is not run.)"""
+text differs fails; the ceiling drives the real worker, and the bare gateway streams its text.
+(The benchmark itself is not run.)"""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from serving_systems import (  # noqa: E402
     Stream,
     WorkerCeiling,
     Workload,
+    bare_gateway_system,
 )
 
 TINY = ROOT / "src" / "quantroute" / "demo" / "repo" / "tiny-llama" / "q8_0.gguf"
@@ -96,3 +98,33 @@ def test_the_ceiling_drives_the_real_worker(tmp_path: Path) -> None:
     assert got.error is None and got.finish_reason == "length"
     assert got.tokens == 8 and 1 <= got.chunks <= 8 and got.count_error(8) is None
     assert "".join(got.text)
+
+
+def test_the_bare_gateway_streams_the_ceilings_text(tmp_path: Path) -> None:
+    from quantroute.demo.vocab import EOS_ID
+
+    work = Workload("tiny-llama:q8_0", "def ", 8, EOS_ID, False)
+    cfg = Settings(1, 2, 256, False)
+
+    async def run() -> tuple[Stream, Stream]:
+        ceiling = WorkerCeiling(TINY, cfg, tmp_path)
+        ceiling.start(60.0)
+        await ceiling.open()
+        try:
+            want = await ceiling.stream(work)
+        finally:
+            await ceiling.close()
+        bare = bare_gateway_system(TINY, cfg, tmp_path)
+        await asyncio.to_thread(bare.start, 60.0)
+        try:
+            await bare.open()
+            got = await bare.stream(work)
+            await bare.close()
+        finally:
+            bare.stop()
+        return want, got
+
+    want, got = asyncio.run(run())
+    assert got.error is None and got.finish_reason == "length"
+    assert got.tokens == 8 and got.count_error(8) is None
+    assert "".join(got.text) == "".join(want.text) != ""
