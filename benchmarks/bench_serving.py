@@ -42,7 +42,7 @@ so its cost is kept low, and it is the same for every HTTP system.
 
 Run::
 
-    make bench                                     # the full run, about 10 minutes on 2 cores
+    make bench                                     # the full run, about 12 minutes on 2 cores
     make bench ARGS="--rounds 1 --min-round-s 0.5 --models tiny-llama"   # a smoke run
     .venv/bin/python benchmarks/bench_serving.py --help
 """
