@@ -564,6 +564,14 @@ class SpeedSettings(_Frozen):
         "deviations still meets it go first; the others (in time only on average) follow "
         "as fallbacks. 0 (the default): no margin; 2 is a TCP-like choice.",
     )
+    reach_deviations: float = Field(
+        default=2.0,
+        ge=0,
+        description="With a deadline and no branch predicted in time, the branches that fail "
+        "only the deadline and whose observed prediction minus this many deviations still "
+        "meets it are tried, fastest first, instead of a 503 (the prediction is a mean, and "
+        "a request is cut at its deadline). 0: a predicted miss is always a 503.",
+    )
 
 
 class RoutingSettings(_Frozen):

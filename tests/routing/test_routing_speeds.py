@@ -252,3 +252,61 @@ async def test_a_request_a_replaced_worker_finishes_does_not_feed_its_successor(
         gateway.finished(run, [1, 2, 3])  # type: ignore[arg-type]
         after = gateway.states.speeds.get("tiny-llama:q4_k_m")
         assert after is not None and after.samples == 2
+
+
+def _balanced(ms: float) -> object:
+    return parse_requirement("balanced", None, str(ms), None, S)
+
+
+def test_with_nothing_in_time_a_branch_late_only_on_average_is_tried_not_refused() -> None:
+    from quantroute.errors import ServiceUnavailableError
+
+    shaky = _branch(
+        "q8_0",
+        observed_ttft_ms=10.0,
+        observed_tpot_ms=0.5,
+        observed_ttft_dev_ms=5.0,
+        observed_tpot_dev_ms=0.3,
+    )  # predicted 42 ms; two deviations sooner: -6.4 ms
+    steady = _branch(
+        "q4_k_m",
+        observed_ttft_ms=8.0,
+        observed_tpot_ms=0.4,
+        observed_ttft_dev_ms=1.0,
+        observed_tpot_dev_ms=0.1,
+    )  # predicted 33.6 ms; two deviations sooner: 18.8 ms
+    states = (shaky, steady)
+    # both late on average for 30 ms, both within reach: tried, fastest predicted first
+    d = choose("m", _balanced(30), SHAPE, states, S)  # type: ignore[arg-type]
+    assert d.branch_ids == ("m:q4_k_m", "m:q8_0") and d.reason == "deadline:within-reach"
+    why = {e.branch_id: e for e in d.explanations}
+    assert not next(f.passed for f in why["m:q8_0"].filters if f.name == "deadline")
+    # 10 ms: only the widely spread q8_0 may still make it
+    assert choose("m", _balanced(10), SHAPE, states, S).branch_ids == ("m:q8_0",)  # type: ignore[arg-type]
+    # out of reach for both (q8_0 by its profile: the engine alone needs 8.6 ms): a 503
+    with pytest.raises(ServiceUnavailableError, match="too slow for the deadline"):
+        choose("m", _balanced(1), SHAPE, states, S)  # type: ignore[arg-type]
+    # the setting at 0: a predicted miss is a 503
+    off = S.model_copy(update={"speeds": S.speeds.model_copy(update={"reach_deviations": 0})})
+    with pytest.raises(ServiceUnavailableError):
+        choose("m", _balanced(30), SHAPE, states, off)  # type: ignore[arg-type]
+    # fast: within reach comes before its best effort (the cheapest, whatever its speed)
+    fast = choose("m", _deadline(30), SHAPE, (replace(steady, observed_ttft_ms=12.0), shaky), S)  # type: ignore[arg-type]
+    assert fast.reason == "deadline:within-reach" and fast.primary == "m:q4_k_m"
+
+
+def test_only_a_branch_that_fails_the_deadline_alone_and_has_observations_is_in_reach() -> None:
+    from quantroute.errors import ServiceUnavailableError
+
+    seen = {"observed_ttft_ms": 8.0, "observed_tpot_ms": 0.4, "observed_ttft_dev_ms": 1.0,
+            "observed_tpot_dev_ms": 0.1}  # fmt: skip
+    profiled = _branch("q4_k_m")  # the profile's 8.6 ms, no spread known
+    full = _branch("q8_0", kv_bytes_per_token=1024, device_free_bytes=0, **seen)  # no room
+    not_ready = _branch("q8_0", ready=False, **seen)
+    for states in ((profiled,), (full,), (not_ready,)):
+        with pytest.raises(ServiceUnavailableError):
+            choose("m", _balanced(5 if states == (profiled,) else 30), SHAPE, states, S)  # type: ignore[arg-type]
+    # a quality bound is never relaxed: q4_k_m profiled past balanced's bound stays out
+    coarse = _branch("q4_k_m", mean_kld=0.5, **seen)
+    with pytest.raises(ServiceUnavailableError):
+        choose("m", _balanced(30), SHAPE, (coarse,), S)  # type: ignore[arg-type]

@@ -30,7 +30,14 @@ branches that meet it with a margin (their observed speed plus that many
 deviations, :mod:`~quantroute.routing.speeds`) rank before those in time only on
 average, which follow as fallbacks; affinity breaks ties only among the former.
 
-When nothing is feasible, the tier decides (``TierSettings.on_infeasible``):
+When nothing is feasible only because every branch that would serve is predicted
+late, and some are late only on average (their observed prediction, less
+``routing.speeds.reach_deviations`` deviations, meets the deadline, and so does
+the profile's engine-only time), those are
+tried, fastest predicted first, with reason ``deadline:within-reach``: the
+prediction is a mean, a request the gateway cuts at its deadline costs at most
+that long, and a 503 is a certain miss. Otherwise, when nothing is feasible, the
+tier decides (``TierSettings.on_infeasible``):
 
 ==============================  ==================================================================
 requirement                     outcome
@@ -55,9 +62,9 @@ branch with a better fit lost; ``term`` is what gained most, e.g. ``load``),
 ``only-feasible``, ``near-tie`` (affinity preferred a branch with a slightly
 lower fit), ``shifted:margin`` (a better-scored branch meets the deadline only
 on average), each with ``+affinity`` when prefix affinity broke a near tie;
-``best-effort``; ``wait:reference``; ``pinned`` (:func:`pinned`: the client named
-the branch, and no policy ran). Per-branch :class:`Explanation`\\ s
-are built from the decision's numbers only when read.
+``best-effort``; ``deadline:within-reach``; ``wait:reference``; ``pinned``
+(:func:`pinned`: the client named the branch, and no policy ran). Per-branch
+:class:`Explanation`\\ s are built from the decision's numbers only when read.
 """
 
 from __future__ import annotations
@@ -68,7 +75,7 @@ from typing import Any
 
 from quantroute.errors import ServiceUnavailableError
 from quantroute.routing import filters
-from quantroute.routing.filters import BREAKER, MEMORY, QUALITY, READY
+from quantroute.routing.filters import BREAKER, DEADLINE, MEMORY, QUALITY, READY
 from quantroute.routing.ranking import rank
 from quantroute.routing.records import BranchState, RequestShape, Row
 from quantroute.routing.requirement import Requirement
@@ -304,6 +311,11 @@ def _nothing_feasible(
         raise ServiceUnavailableError(
             "no branch of the model is ready to serve", retry_after_s=settings.retry_after_s
         )
+    reach = _within_reach(requirement, request, branches, rows, settings)
+    if reach:
+        trace = _Trace(requirement, request, branches, rows, (), (), reach, settings)
+        ids = tuple([branches[i].id for i in reach])
+        return Decision(model, ids, "deadline:within-reach", None, False, trace)
     tier = requirement.tier
     action = "reject" if tier is None else settings.tiers.get(tier).on_infeasible
 
@@ -329,6 +341,37 @@ def _nothing_feasible(
             return Decision(model, (), "wait:reference", wait_s, False, trace)
 
     raise ServiceUnavailableError(_unavailable_message(rows), retry_after_s=settings.retry_after_s)
+
+
+def _within_reach(
+    requirement: Requirement,
+    request: RequestShape,
+    branches: Sequence[BranchState],
+    rows: Sequence[Row],
+    settings: RoutingSettings,
+) -> tuple[int, ...]:
+    """The branches that fail only the deadline, and only on average: their observed
+    prediction, ``routing.speeds.reach_deviations`` deviations sooner, meets it, and so
+    does the profile's engine-only time (the soonest it could ever be, whatever the
+    spread). Fastest predicted first. Empty without a deadline, without observed speeds,
+    or with the setting 0."""
+    deadline = requirement.deadline_ms
+    k = settings.speeds.reach_deviations
+    if deadline is None or k <= 0.0:
+        return ()
+    prompt, generate = request.prompt_tokens, request.max_tokens
+    later = max(0, generate - 1)
+    reach: list[tuple[float, tuple[int, float, int], int]] = []
+    for i, (b, row) in enumerate(zip(branches, rows, strict=True)):
+        fails, _, _, predicted = row
+        if fails != DEADLINE or predicted is None or b.observed_ttft_ms is None:
+            continue
+        soonest = predicted - k * (b.observed_ttft_dev_ms + later * b.observed_tpot_dev_ms)
+        if b.prefill_tps and b.decode_tps:
+            soonest = max(soonest, 1000.0 * (prompt / b.prefill_tps + generate / b.decode_tps))
+        if soonest <= deadline:
+            reach.append((predicted, fidelity_key(b), i))
+    return tuple(i for _, _, i in sorted(reach))
 
 
 def _reference_wait(
