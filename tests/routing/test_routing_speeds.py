@@ -151,24 +151,28 @@ async def test_a_served_request_feeds_the_branch_speed_shown_in_models_and_metri
         assert len(lines) == 1 and 'branch="q4_k_m"' in lines[0]
 
 
+# Two branches with observed speeds, for SHAPE: q8_0 predicted 42 ms, spread widely (two
+# deviations: 48.4 ms either way); q4_k_m predicted 33.6 ms, steady (two deviations: 14.8 ms).
+SHAKY = _branch(
+    "q8_0",
+    observed_ttft_ms=10.0,
+    observed_tpot_ms=0.5,
+    observed_ttft_dev_ms=5.0,
+    observed_tpot_dev_ms=0.3,
+)
+STEADY = _branch(
+    "q4_k_m",
+    observed_ttft_ms=8.0,
+    observed_tpot_ms=0.4,
+    observed_ttft_dev_ms=1.0,
+    observed_tpot_dev_ms=0.1,
+)
+
+
 def test_with_a_deadline_a_branch_in_time_only_on_average_gives_way_to_one_with_a_margin() -> None:
     # q8_0 (the more faithful: first by score) is in time on average but spreads widely;
     # q4_k_m is in time with room to spare
-    shaky = _branch(
-        "q8_0",
-        observed_ttft_ms=10.0,
-        observed_tpot_ms=0.5,
-        observed_ttft_dev_ms=5.0,
-        observed_tpot_dev_ms=0.3,
-    )  # predicted 42 ms, at two deviations 10 + 38.4 more: 90 ms
-    steady = _branch(
-        "q4_k_m",
-        observed_ttft_ms=8.0,
-        observed_tpot_ms=0.4,
-        observed_ttft_dev_ms=1.0,
-        observed_tpot_dev_ms=0.1,
-    )  # predicted 33.6 ms, at two deviations 48.4 ms
-    states = (shaky, steady)
+    states = (SHAKY, STEADY)
     margin = S.model_copy(update={"speeds": S.speeds.model_copy(update={"margin_deviations": 2})})
     d = choose("m", _deadline(60), SHAPE, states, margin)  # type: ignore[arg-type]
     assert d.branch_ids == ("m:q4_k_m", "m:q8_0") and d.reason == "shifted:margin"
@@ -261,20 +265,7 @@ def _balanced(ms: float) -> object:
 def test_with_nothing_in_time_a_branch_late_only_on_average_is_tried_not_refused() -> None:
     from quantroute.errors import ServiceUnavailableError
 
-    shaky = _branch(
-        "q8_0",
-        observed_ttft_ms=10.0,
-        observed_tpot_ms=0.5,
-        observed_ttft_dev_ms=5.0,
-        observed_tpot_dev_ms=0.3,
-    )  # predicted 42 ms; two deviations sooner: -6.4 ms
-    steady = _branch(
-        "q4_k_m",
-        observed_ttft_ms=8.0,
-        observed_tpot_ms=0.4,
-        observed_ttft_dev_ms=1.0,
-        observed_tpot_dev_ms=0.1,
-    )  # predicted 33.6 ms; two deviations sooner: 18.8 ms
+    shaky, steady = SHAKY, STEADY
     states = (shaky, steady)
     # both late on average for 30 ms, both within reach: tried, fastest predicted first
     d = choose("m", _balanced(30), SHAPE, states, S)  # type: ignore[arg-type]
