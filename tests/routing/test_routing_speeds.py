@@ -281,9 +281,15 @@ def test_with_nothing_in_time_a_branch_late_only_on_average_is_tried_not_refused
     off = S.model_copy(update={"speeds": S.speeds.model_copy(update={"reach_deviations": 0})})
     with pytest.raises(ServiceUnavailableError):
         choose("m", _balanced(30), SHAPE, states, off)  # type: ignore[arg-type]
-    # fast: within reach comes before its best effort (the cheapest, whatever its speed)
-    fast = choose("m", _deadline(30), SHAPE, (replace(steady, observed_ttft_ms=12.0), shaky), S)  # type: ignore[arg-type]
-    assert fast.reason == "deadline:within-reach" and fast.primary == "m:q4_k_m"
+    # fast: the branches within reach first, then the rest of its best effort (here an f16
+    # with no room on its device) as fallbacks; balanced never gets the f16 that way
+    full = _branch("f16", kv_bytes_per_token=1024, device_free_bytes=0)
+    slower = replace(steady, observed_ttft_ms=12.0)  # predicted 37.6 ms, soonest 22.8 ms
+    fast = choose("m", _deadline(30), SHAPE, (full, shaky, slower), S)  # type: ignore[arg-type]
+    assert fast.reason == "deadline:within-reach"
+    assert fast.branch_ids == ("m:q4_k_m", "m:q8_0", "m:f16")
+    bal = choose("m", _balanced(30), SHAPE, (full, shaky, slower), S)  # type: ignore[arg-type]
+    assert bal.branch_ids == ("m:q4_k_m", "m:q8_0")
 
 
 def test_only_a_branch_that_fails_the_deadline_alone_and_has_observations_is_in_reach() -> None:

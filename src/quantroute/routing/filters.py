@@ -116,6 +116,12 @@ def evaluate(
     return rows
 
 
+def spread_ms(b: BranchState, max_tokens: int) -> float:
+    """The spread of ``b``'s observed prediction for ``max_tokens``: its first token's
+    deviation plus one per-token deviation for each later token (0 before observations)."""
+    return b.observed_ttft_dev_ms + max(0, max_tokens - 1) * b.observed_tpot_dev_ms
+
+
 def describe(
     requirement: Requirement, branch: BranchState, row: Row
 ) -> tuple[tuple[str, bool, str], ...]:

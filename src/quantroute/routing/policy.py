@@ -36,8 +36,9 @@ late, and some are late only on average (their observed prediction, less
 the profile's engine-only time), those are
 tried, fastest predicted first, with reason ``deadline:within-reach``: the
 prediction is a mean, a request the gateway cuts at its deadline costs at most
-that long, and a 503 is a certain miss. Otherwise, when nothing is feasible, the
-tier decides (``TierSettings.on_infeasible``):
+that long, and a 503 is a certain miss (a best-effort tier's other branches follow as
+fallbacks). Otherwise, when nothing is feasible, the tier decides
+(``TierSettings.on_infeasible``):
 
 ==============================  ==================================================================
 requirement                     outcome
@@ -311,17 +312,12 @@ def _nothing_feasible(
         raise ServiceUnavailableError(
             "no branch of the model is ready to serve", retry_after_s=settings.retry_after_s
         )
-    reach = _within_reach(requirement, request, branches, rows, settings)
-    if reach:
-        trace = _Trace(requirement, request, branches, rows, (), (), reach, settings)
-        ids = tuple([branches[i].id for i in reach])
-        return Decision(model, ids, "deadline:within-reach", None, False, trace)
     tier = requirement.tier
     action = "reject" if tier is None else settings.tiers.get(tier).on_infeasible
-
+    best_effort: list[int] = []
     if action == "best_effort" and not requirement.bounded:
         ref_bits = reference_bits(branches)
-        order = sorted(
+        best_effort = sorted(
             usable,
             key=lambda i: (
                 BITS[branches[i].precision] / ref_bits[branches[i].model],
@@ -329,10 +325,14 @@ def _nothing_feasible(
                 branches[i].id,
             ),
         )
+
+    reach = _within_reach(requirement, request, branches, rows, settings)
+    if reach or best_effort:
+        # the branches within reach first; a best-effort tier's others follow as fallbacks
+        order = (*reach, *(i for i in best_effort if i not in reach))
+        reason = "deadline:within-reach" if reach else "best-effort"
         trace = _Trace(requirement, request, branches, rows, (), (), order, settings)
-        return Decision(
-            model, tuple([branches[i].id for i in order]), "best-effort", None, False, trace
-        )
+        return Decision(model, tuple([branches[i].id for i in order]), reason, None, False, trace)
 
     if action == "wait" and tier is not None:
         wait_s = _reference_wait(requirement, branches, rows, settings.tiers.get(tier).wait_s)
@@ -360,13 +360,12 @@ def _within_reach(
     if deadline is None or k <= 0.0:
         return ()
     prompt, generate = request.prompt_tokens, request.max_tokens
-    later = max(0, generate - 1)
     reach: list[tuple[float, tuple[int, float, int], int]] = []
     for i, (b, row) in enumerate(zip(branches, rows, strict=True)):
         fails, _, _, predicted = row
         if fails != DEADLINE or predicted is None or b.observed_ttft_ms is None:
             continue
-        soonest = predicted - k * (b.observed_ttft_dev_ms + later * b.observed_tpot_dev_ms)
+        soonest = predicted - k * filters.spread_ms(b, generate)
         if b.prefill_tps and b.decode_tps:
             soonest = max(soonest, 1000.0 * (prompt / b.prefill_tps + generate / b.decode_tps))
         if soonest <= deadline:

@@ -354,15 +354,13 @@ def _by_margin(
     k = settings.speeds.margin_deviations
     if deadline is None or k <= 0.0:
         return ranking, len(ranking)
-    later = max(0, request.max_tokens - 1)
     risky = set()
     for j in ranking:
         b = branches[feasible[j]]
         predicted = rows[feasible[j]][3]
         if b.observed_ttft_ms is None or predicted is None:
             continue
-        spread = k * (b.observed_ttft_dev_ms + later * b.observed_tpot_dev_ms)
-        if predicted + spread > deadline:
+        if predicted + k * filters.spread_ms(b, request.max_tokens) > deadline:
             risky.add(j)
     if not risky or len(risky) == len(ranking):
         return ranking, len(ranking)
