@@ -10,7 +10,9 @@ One run, per model (the realistic demo model ``stdlib-bpe-llama`` and ``tiny-lla
 * **llama-cpp-python's server**, twice: ``interrupt_requests`` off (it queues requests) and
   on (its default: a new request cuts the running stream; cut streams are counted);
 * the **ceiling**: quantroute's own worker process driven over its stdin/stdout protocol
-  from this process, with no gateway and no HTTP.
+  from this process, with no gateway and no HTTP;
+* the **bare gateway** (``bare_gateway.py``): uvicorn and one raw ASGI function over the
+  same worker, driven the same way, with nothing else: the floor of a Python gateway.
 
 All run llama.cpp with the same threads (``--threads``, 1), ``--parallel`` slots (16) of
 ``--n-ctx`` (512) tokens each, and prompt caching off (quantroute's worker has none yet:

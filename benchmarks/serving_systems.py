@@ -25,6 +25,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -277,7 +278,7 @@ def bare_gateway_system(model: Path, cfg: Settings, logs: Path) -> HttpSystem:
         sys.executable, str(Path(__file__).with_name("bare_gateway.py")), "--model", str(model),
         "--port", str(port), "--n-ctx", str(cfg.n_ctx), "--parallel", str(cfg.parallel),
         "--threads", str(cfg.threads), "--n-gpu-layers", str(cfg.n_gpu_layers),
-        *(("--prompt-cache",) if cfg.prompt_cache else ()),
+        "--logs", str(logs), *(("--prompt-cache",) if cfg.prompt_cache else ()),
     ]  # fmt: skip
     server = Server(BARE, argv, port, "/health", logs / "bare-gateway.log")
     return HttpSystem(server, {}, cfg.parallel)
@@ -292,7 +293,9 @@ class WorkerCeiling:
 
     name = CEILING
 
-    def __init__(self, model: Path, cfg: Settings, logs: Path):
+    def __init__(
+        self, model: Path, cfg: Settings, logs: Path, log_name: str = "ceiling-worker.log"
+    ):
         self.argv = [
             sys.executable, "-m", "quantroute.engines.llamacpp_worker", "--model", str(model),
             "--n-ctx", str(cfg.n_ctx), "--parallel", str(cfg.parallel),
@@ -300,7 +303,7 @@ class WorkerCeiling:
             "--n-gpu-layers", str(cfg.n_gpu_layers),
             *(() if cfg.prompt_cache else ("--no-prompt-cache",)),
         ]  # fmt: skip
-        self.log_path = logs / "ceiling-worker.log"
+        self.log_path = logs / log_name
         self.proc: asyncio.subprocess.Process | None = None
         self.waiters: dict[str, asyncio.Queue[dict[str, Any]]] = {}
         self.ids = itertools.count()
@@ -362,41 +365,51 @@ class WorkerCeiling:
             with contextlib.suppress(asyncio.CancelledError):
                 await self.reader
 
-    async def stream(self, work: Workload) -> Stream:
+    async def events(
+        self, prompt: str, max_tokens: int, logit_bias: list[tuple[int, float]]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """One greedy ``gen`` on the worker: its events as they are read (plain tokens as
+        ``{"ev": "tok", "t": text}``), each with ``_at``, its arrival, until ``fin`` or
+        ``err``."""
         assert self.proc is not None and self.proc.stdin is not None
         rid = f"c{next(self.ids)}"
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.waiters[rid] = events
         command = {
-            "op": "gen", "id": rid, "prompt": work.prompt, "special": False,
+            "op": "gen", "id": rid, "prompt": prompt, "special": False,
             "s": {
-                "max_tokens": work.max_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                "max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
                 "seed": None, "stop": [], "logprobs": False, "top_logprobs": 0,
-                "logit_bias": [[work.eos_id, BAN]],
+                "logit_bias": [list(pair) for pair in logit_bias],
             },
         }  # fmt: skip
-        record = Stream(sent=time.perf_counter())
         self.proc.stdin.write(json.dumps(command).encode() + b"\n")
         await self.proc.stdin.drain()
         try:
             while True:
                 event = await events.get()
-                kind = event.get("ev")
-                if kind == "tok" and event.get("t"):
-                    record.arrivals.append(event["_at"])
-                    record.text.append(event["t"])
-                elif kind == "fin":
-                    if event.get("t"):
-                        record.arrivals.append(event["_at"])
-                        record.text.append(event["t"])
-                    record.usage_tokens = int(event["ct"])
-                    record.finish_reason = event["reason"]
-                    return record
-                elif kind == "err":
-                    record.error = f"{event.get('code')}: {event.get('msg')}"
-                    return record
+                yield event
+                if event.get("ev") in ("fin", "err"):
+                    return
         finally:
             del self.waiters[rid]
+
+    async def stream(self, work: Workload) -> Stream:
+        record = Stream(sent=time.perf_counter())
+        async for event in self.events(work.prompt, work.max_tokens, [(work.eos_id, BAN)]):
+            kind = event.get("ev")
+            if kind == "tok" and event.get("t"):
+                record.arrivals.append(event["_at"])
+                record.text.append(event["t"])
+            elif kind == "fin":
+                if event.get("t"):
+                    record.arrivals.append(event["_at"])
+                    record.text.append(event["t"])
+                record.usage_tokens = int(event["ct"])
+                record.finish_reason = event["reason"]
+            elif kind == "err":
+                record.error = f"{event.get('code')}: {event.get('msg')}"
+        return record
 
 
 @dataclass(frozen=True, slots=True)

@@ -160,12 +160,9 @@ async def test_an_error_status_and_a_broken_body(tmp_path: Path) -> None:
     assert second.error is not None and "closed inside a chunked body" in second.error
 
 
-def test_not_http_is_an_error() -> None:
-    async def run() -> None:
-        async with raw_server([[b"SSH-2.0-nope\r\n"]], close_after={0}) as port:
-            conn = Connection("127.0.0.1", port)
-            with pytest.raises(ConnectionError, match="not an HTTP response") as info:
-                await conn.post("/x", b"{}")
-            assert not isinstance(info.value, ConnectionClosed)
-
-    asyncio.run(run())
+async def test_not_http_is_an_error() -> None:
+    async with raw_server([[b"SSH-2.0-nope\r\n"]], close_after={0}) as port:
+        conn = Connection("127.0.0.1", port)
+        with pytest.raises(ConnectionError, match="not an HTTP response") as info:
+            await conn.post("/x", b"{}")
+        assert not isinstance(info.value, ConnectionClosed)
