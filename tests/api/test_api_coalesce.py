@@ -1,5 +1,7 @@
-"""A reader that lags behind the engine gets the tokens that piled up in one chunk (one
-SSE write), with nothing lost: the text, the usage and one logprob entry per token."""
+"""A reader that lags behind the engine gets what piled up at once, with nothing lost: the
+text, the usage and one logprob entry per token. Several choices' tokens that piled up
+in the run's buffer go out in one chunk per choice; one choice's, read straight from its
+engine stream, one event each (written together: ``Stream.follow_batches``)."""
 
 from __future__ import annotations
 
@@ -17,13 +19,14 @@ def _data(body: str) -> list[dict]:
     return [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
 
 
+@pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("chat", [False, True])
-async def test_piled_up_tokens_go_out_together_and_add_up(chat: bool) -> None:
+async def test_piled_up_tokens_go_out_together_and_add_up(chat: bool, n: int) -> None:
     async with serving(fake_app()) as (http, _):
         path = "/v1/chat/completions" if chat else "/v1/completions"
         prompt = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
         logprobs = {"logprobs": True} if chat else {"logprobs": 0}
-        body = {"model": "tiny-llama:q4_k_m", "max_tokens": 64} | logprobs | prompt
+        body = {"model": "tiny-llama:q4_k_m", "max_tokens": 64, "n": n} | logprobs | prompt
         whole = (await http.post(path, json=body)).json()
         r = await http.post(
             path, json=body | {"stream": True, "stream_options": {"include_usage": True}}
@@ -31,20 +34,25 @@ async def test_piled_up_tokens_go_out_together_and_add_up(chat: bool) -> None:
         assert r.status_code == 200
         events = _data(r.text)
         usage = events[-1]["usage"]
-        chunks = [e["choices"][0] for e in events if e["choices"]]
-        if chat:
-            text = "".join(c["delta"].get("content", "") for c in chunks)
-            entries = [x for c in chunks if c["logprobs"] for x in c["logprobs"]["content"]]
-            expected = whole["choices"][0]["message"]["content"]
-        else:
-            text = "".join(c["text"] for c in chunks)
-            entries = [x for c in chunks if c["logprobs"] for x in c["logprobs"]["tokens"]]
-            expected = whole["choices"][0]["text"]
-        assert text == expected and usage["completion_tokens"] == 64 == len(entries)
-        # the in-process transport reads only at the end: the tokens piled up
-        assert len([c for c in chunks if c["finish_reason"] is None]) < 64
+        assert usage["completion_tokens"] == 64 * n
+        for index in range(n):
+            chunks = [e["choices"][0] for e in events if e["choices"]]
+            chunks = [c for c in chunks if c["index"] == index]
+            if chat:
+                text = "".join(c["delta"].get("content", "") for c in chunks)
+                entries = [x for c in chunks if c["logprobs"] for x in c["logprobs"]["content"]]
+                expected = whole["choices"][index]["message"]["content"]
+            else:
+                text = "".join(c["text"] for c in chunks)
+                entries = [x for c in chunks if c["logprobs"] for x in c["logprobs"]["tokens"]]
+                expected = whole["choices"][index]["text"]
+            assert text == expected and len(entries) == 64
+            tokens = len([c for c in chunks if c["finish_reason"] is None]) - chat  # the role
+            # the fake engine is instant: the tokens piled up in the run's buffer
+            assert tokens < 64 if n > 1 else tokens == 64
         ids = [line for line in r.text.splitlines() if line.startswith("id: ")]
         assert len(ids) == len(events) + 1  # every event keeps its own id ([DONE] too)
+        assert [int(line.rpartition("/")[2]) for line in ids] == list(range(len(ids)))
 
 
 class _FakeRun:

@@ -44,10 +44,10 @@ def _store(**settings: Any) -> StreamStore:
 
 
 def _open(
-    store: StreamStore, key: str = "k", owner: str = "acme", grace_s: float = 0.0
+    store: StreamStore, key: str = "k", owner: str = "acme", grace_s: float = 0.0, **kw: Any
 ) -> tuple[Stream, Source]:
     source = Source()
-    stream = store.open(key, owner, source.events(), close=source.close, grace_s=grace_s)
+    stream = store.open(key, owner, source.events(), close=source.close, grace_s=grace_s, **kw)
     return stream, source
 
 
@@ -237,6 +237,55 @@ async def test_the_producer_waits_for_a_slow_reader_and_for_a_dropped_one() -> N
     assert stream.next_seq == 1 + 14 and stream.first_seq == 0
     resumed = store.get("k", "acme", after=0)
     assert await _read(resumed, after=0, count=30) == [(i, b"%d" % i) for i in range(1, 31)]
+    await store.close()
+
+
+async def test_a_producer_held_back_past_the_stall_limit_ends_the_stream_and_closes() -> None:
+    store = _store(max_events_per_stream=16)
+    stream, source = _open(store, grace_s=5, stall_timeout_s=0.2)
+    source.put(*(b"%d" % i for i in range(100)))
+    items = stream.follow(None, keepalive_s=5)
+    assert await anext(items) == (0, b"0")  # then the reader reads nothing
+    await asyncio.sleep(0.1)
+    assert not source.closed.is_set()  # held back, not yet past the limit
+    await asyncio.wait_for(source.closed.wait(), 2)  # past it: the generation is freed
+    got = [item async for item in items if item is not None]
+    assert [seq for seq, _ in got] == list(range(1, 15))  # what was made is still there
+    error = json.loads(got[-1][1])["error"]
+    assert error["code"] == "reader_stalled" and "0.2 s" in error["message"]
+    assert stream.done and source.produced < 100
+    await store.close()
+
+
+async def test_events_ready_at_open_are_there_before_the_producer_runs() -> None:
+    store = _store()
+    source = Source()
+    stream = store.open(
+        "k", "acme", source.events(), close=source.close, grace_s=0, first=[b"a", b"b"]
+    )
+    assert stream.next_seq == 2 and source.produced == 0  # no task has run yet
+    batches = stream.follow_batches(None, keepalive_s=5)
+    assert await anext(batches) == [(0, b"a"), (1, b"b")]  # at once, in one batch
+    source.put(b"c")
+    source.finish()
+    assert [b async for b in batches] == [[(2, b"c")]]
+    await store.close()
+
+
+async def test_a_follow_ends_as_a_watcher_that_left_once_its_client_is_gone() -> None:
+    store = _store()
+    stream, source = _open(store, grace_s=0)
+    gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    batches = stream.follow_batches(None, keepalive_s=5, until=gone)
+    source.put(b"a")
+    assert await anext(batches) == [(0, b"a")]
+    waiting = asyncio.ensure_future(anext(batches))  # waits for the next event
+    await _settle()
+    gone.set_result(None)  # the client disconnected
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(waiting, 1)
+    await asyncio.wait_for(source.closed.wait(), 1)  # no grace: the generation is cancelled
+    assert stream.watchers == 0
     await store.close()
 
 

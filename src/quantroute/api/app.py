@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from quantroute.api.body_limit import BodyLimitMiddleware
 from quantroute.api.errors import install_error_handlers
 from quantroute.api.gateway import Gateway
-from quantroute.api.routes import router
+from quantroute.api.routes import GenerationRoutes, router
 from quantroute.config import Settings
 from quantroute.resilience.resume import StreamStore
 from quantroute.routing.table import RouteTable
@@ -48,6 +48,9 @@ def create_app(
     app.state.tenants = gateway.tenants
     app.state.streams = streams
     app.include_router(router)
+    # Middlewares run outermost last-added first: the body limit, the internal-error
+    # answer, then the generation endpoints (in front of the router).
+    app.add_middleware(GenerationRoutes)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.server.max_body_bytes)
     return app

@@ -67,19 +67,16 @@ def validation_error(exc: RequestValidationError) -> InvalidRequestError:
     return InvalidRequestError(f"{param}: {message}" if param else message, param=param)
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    async def on_quantroute(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, QuantrouteError)
+def render_error(exc: Exception, method: str, path: str) -> JSONResponse | None:
+    """The answer to an error a request raised on purpose (ours, a schema's, Starlette's);
+    ``None`` for anything else (a bug: :class:`InternalErrorMiddleware` answers those)."""
+    if isinstance(exc, QuantrouteError):
         if exc.status >= 500:
-            log.error("%s %s: %s", request.method, request.url.path, exc.message)
+            log.error("%s %s: %s", method, path, exc.message)
         return error_response(exc)
-
-    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, RequestValidationError)
+    if isinstance(exc, RequestValidationError):
         return error_response(validation_error(exc))
-
-    async def on_http(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, HTTPException)
+    if isinstance(exc, HTTPException):
         if exc.status_code == 404:
             return error_response(NotFoundError("No such route.", code="not_found"))
         if exc.status_code == 413:
@@ -87,17 +84,20 @@ def install_error_handlers(app: FastAPI) -> None:
         err = QuantrouteError(str(exc.detail))
         body = err.to_openai()
         body["error"]["type"] = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(body, status_code=exc.status_code)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    return None
 
-    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # Only for what fails outside InternalErrorMiddleware (the outer middleware).
-        log.exception("%s %s failed", request.method, request.url.path)
-        return error_response(internal_error())
 
-    app.add_exception_handler(QuantrouteError, on_quantroute)
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(HTTPException, on_http)
-    app.add_exception_handler(Exception, on_unexpected)
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        response = render_error(exc, request.method, request.url.path)
+        if response is None:  # only for what fails outside InternalErrorMiddleware
+            log.exception("%s %s failed", request.method, request.url.path)
+            return error_response(internal_error())
+        return response
+
+    for kind in (QuantrouteError, RequestValidationError, HTTPException, Exception):
+        app.add_exception_handler(kind, on_error)
     app.add_middleware(InternalErrorMiddleware)
 
 

@@ -22,7 +22,7 @@ from quantroute.engines.base import (
     TokenEvent,
 )
 from quantroute.engines.chat_template import ChatPrompt
-from quantroute.errors import EngineError, QuantrouteError
+from quantroute.errors import EngineError
 from quantroute.observability import NULL_TRACE, RequestTrace
 from quantroute.resilience.admission import Ticket
 from quantroute.resilience.tenants import OPEN, Tenant
@@ -31,12 +31,6 @@ from quantroute.routing.table import Branch
 
 Kind = Literal["chat", "completion"]
 RUN_BUFFER_EVENTS = 64  # a run's events waiting for its reader, per choice
-
-
-class ReaderStalledError(QuantrouteError):
-    """The client stopped reading its stream for longer than the limit."""
-
-    code = "reader_stalled"
 
 
 _SEED_MASK = 2**64 - 1
@@ -71,9 +65,16 @@ class Run:
 
     ``pending[i]`` holds the events of choice ``i`` that the service already read
     while deciding to commit to this branch (its start and first token); they
-    come out first. ``on_done(run, ok)`` is told once, when the run closes: ``ok``
-    is ``True`` when every choice finished, ``False`` when the engine failed one,
-    ``None`` when it was cut short (the client left).
+    come out first, or are taken at once by :meth:`take_pending`. ``on_done(run, ok)``
+    is told once, when the run closes: ``ok`` is ``True`` when every choice finished,
+    ``False`` when the engine failed one, ``None`` when it was cut short (the client
+    left, or stopped reading).
+
+    One choice read without keep-alives (a whole response's collector, a stream's
+    producer in the stream store) comes straight from its engine stream in the reader's
+    task: no pump task, no buffer, and a reader that lags holds the engine stream back
+    itself (the worker pauses the sequence: ``FinishEvent.held``). Several choices are
+    read by a pump task each into a bounded buffer (``RUN_BUFFER_EVENTS`` per choice).
     """
 
     def __init__(
@@ -87,7 +88,6 @@ class Run:
         cached_tokens: list[int] | None = None,
         pending: list[list[EngineEvent]] | None = None,
         on_done: Callable[[Run, bool | None], None] | None = None,
-        stall_timeout_s: float | None = None,
         opened: float | None = None,
     ):
         self.job = job
@@ -109,8 +109,6 @@ class Run:
         self._reader: asyncio.Future[None] | None = None  # the reader, waiting for an event
         self._room = RUN_BUFFER_EVENTS * max(1, len(streams))
         self._drained = asyncio.Event()  # the reader took events: a full pump may go on
-        self._stall_timeout_s = stall_timeout_s
-        self._closer: asyncio.Task[None] | None = None
         self._pumps: list[asyncio.Task[None]] = []
         self._finished = 0
         self.usage_tokens = 0  # prompt + completion tokens of the finished choices
@@ -120,12 +118,8 @@ class Run:
     async def events(
         self, keepalive_s: float | None = None
     ) -> AsyncIterator[tuple[int, EngineEvent] | Tick]:
-        """Every choice's events, interleaved as they come; ``Tick`` when idle.
-
-        One choice with no keep-alive (a whole response's collector, which reads as fast
-        as events come) is read straight from its engine stream in the caller's task: no
-        pump task, no buffer."""
-        if len(self._streams) == 1 and keepalive_s is None:
+        """Every choice's events, interleaved as they come; ``Tick`` when idle."""
+        if self._reads_directly(keepalive_s):
             try:
                 async with contextlib.aclosing(self._direct()) as events:
                     async for event in events:
@@ -140,11 +134,31 @@ class Run:
                 for item in batch:
                     yield item
 
+    def take_pending(self) -> list[tuple[int, EngineEvent]]:
+        """The events already read (see the class docstring), counted as they would be
+        when read, now: a stream's first chunks are written without waiting for a task."""
+        taken = [(i, event) for i, events in enumerate(self._pending) for event in events]
+        self._pending = [[] for _ in self._streams]
+        for index, event in taken:
+            self._note(index, event)
+        return taken
+
+    def _reads_directly(self, keepalive_s: float | None) -> bool:
+        return len(self._streams) == 1 and keepalive_s is None
+
     async def batches(
         self, keepalive_s: float | None = None
     ) -> AsyncIterator[list[tuple[int, EngineEvent]] | Tick]:
         """Like :meth:`events`, but each time every event that is ready, in order: one
         when the reader keeps up, more when it lags (so it can write them at once)."""
+        if self._reads_directly(keepalive_s):
+            try:
+                async with contextlib.aclosing(self._direct()) as events:
+                    async for event in events:
+                        yield [(0, event)]
+            finally:
+                await self.close()
+            return
         self._pumps = [
             asyncio.create_task(self._pump(i, s), name=f"pump:{self.job.id}:{i}")
             for i, s in enumerate(self._streams)
@@ -195,7 +209,7 @@ class Run:
             reader.set_result(None)
 
     async def _direct(self) -> AsyncGenerator[EngineEvent, None]:
-        """The one choice's events, read from its engine stream by the caller's task."""
+        """The one choice's events, read from its engine stream by the reader's task."""
         try:
             for event in self._pending[0]:
                 self._note(0, event)
@@ -216,25 +230,16 @@ class Run:
         except EngineError as exc:
             self._failed = True
             self._put(exc)
-        except ReaderStalledError as exc:
-            self._abort(exc)
-            return
         except Exception as exc:
             self._put(exc)
         self._put(None)
 
     async def _emit(self, index: int, event: EngineEvent) -> None:
-        if self._room <= 0:  # the reader is behind: wait, but not forever
+        if self._room <= 0:  # the reader is behind (its own limit cuts it: the stream store)
             self.held = True  # and its timing is the reader's, not the engine's
-            try:
-                async with asyncio.timeout(self._stall_timeout_s):
-                    while self._room <= 0:
-                        self._drained.clear()
-                        await self._drained.wait()
-            except TimeoutError as exc:
-                raise ReaderStalledError(
-                    f"the client read nothing for {self._stall_timeout_s:g} s; the stream was cut"
-                ) from exc
+            while self._room <= 0:
+                self._drained.clear()
+                await self._drained.wait()
         self._room -= 1
         self._put((index, event))
         self._note(index, event)
@@ -252,25 +257,6 @@ class Run:
             self.usage_tokens += event.prompt_tokens + event.completion_tokens
             if index == 0 and self._on_finished:
                 self._on_finished(self, self._tokens)
-
-    def _abort(self, exc: BaseException) -> None:
-        """A reader stalled past its limit: drop what it did not read, end every choice
-        with the error, stop generating."""
-        self._ready.clear()
-        self._put(exc)
-        for task in self._pumps:
-            if task is not asyncio.current_task():
-                task.cancel()
-        for _ in self._pumps:
-            self._put(None)
-        self._closer = asyncio.create_task(self._close_streams())  # free the slots now
-
-    async def _close_streams(self) -> None:
-        for stream in self._streams:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception):
-                    await aclose()
 
     async def close(self) -> None:
         for task in self._pumps:
@@ -313,18 +299,45 @@ def build_job(
     deadline: float | None,
     tenant: Tenant = OPEN,
     ticket: Ticket | None = None,
+    trace: RequestTrace = NULL_TRACE,
 ) -> Job:
     """The engine requests of a validated request: one per choice (``n`` per prompt),
     with its sampling; ``prompt`` is the rendered chat prompt of a chat request."""
     job_id = uuid.uuid4().hex
     seed = None if req.seed is None else req.seed & _SEED_MASK
-    base = SamplingParams(
-        max_tokens=max_tokens,
+    kind: Kind
+    # Each kind's own fields first, then one SamplingParams: no copies (this is per request).
+    if isinstance(req, ChatCompletionRequest):
+        assert prompt is not None
+        limit = req.completion_limit
+        fit_context, logprobs = limit is None, req.logprobs
+        stop, top_logprobs = req.stops + prompt.stops, req.top_logprobs or 0
+        prompts = [prompt.text] * req.n
+        ids = []
+        special = prompt.template == "model"
+        kind = "chat"
+        chat_tools, parallel_tool_calls = bool(req.active_tools), req.parallel_tool_calls
+        grammar = grammar_of(req.response_format, req.tools, req.tool_choice, parallel_tool_calls)
+    else:
+        limit = req.max_tokens
+        fit_context, logprobs = limit is None, req.logprobs is not None
+        stop, top_logprobs = req.stops, req.logprobs or 0
+        prompts = [p for p in req.prompts for _ in range(req.n)]
+        ids = [tuple(p) for p in req.token_prompts or () for _ in range(req.n)]
+        special = False
+        kind = "completion"
+        chat_tools, parallel_tool_calls = False, True
+        grammar = grammar_of(req.response_format)
+    sampling = SamplingParams(
+        max_tokens=limit or max_tokens,
+        fit_context=fit_context,
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=req.top_k,
         seed=seed,
-        stop=req.stops,
+        stop=stop,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
         logit_bias=req.bias,
         ignore_eos=req.ignore_eos,
         deadline=deadline,
@@ -333,38 +346,8 @@ def build_job(
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty,
-        grammar=grammar_of(req),
+        grammar=grammar,
     )
-    kind: Kind
-    if isinstance(req, ChatCompletionRequest):
-        assert prompt is not None
-        limit = req.completion_limit
-        sampling = replace(
-            base,
-            max_tokens=limit or base.max_tokens,
-            fit_context=limit is None,
-            stop=base.stop + prompt.stops,
-            logprobs=req.logprobs,
-            top_logprobs=req.top_logprobs or 0,
-        )
-        prompts = [prompt.text] * req.n
-        ids = []
-        special = prompt.template == "model"
-        kind = "chat"
-        logprobs = req.logprobs
-    else:
-        sampling = replace(
-            base,
-            max_tokens=req.max_tokens or base.max_tokens,
-            fit_context=req.max_tokens is None,
-            logprobs=req.logprobs is not None,
-            top_logprobs=req.logprobs or 0,
-        )
-        prompts = [p for p in req.prompts for _ in range(req.n)]
-        ids = [tuple(p) for p in req.token_prompts or () for _ in range(req.n)]
-        special = False
-        kind = "completion"
-        logprobs = req.logprobs is not None
     requests = tuple(
         GenerationRequest(
             f"{job_id}.{i}",
@@ -375,7 +358,6 @@ def build_job(
         )
         for i, text in enumerate(prompts)
     )
-    chat_tools = isinstance(req, ChatCompletionRequest) and bool(req.active_tools)
     return Job(
         job_id,
         kind,
@@ -390,5 +372,6 @@ def build_job(
         tenant,
         ticket,
         tools=chat_tools,
-        parallel_tool_calls=getattr(req, "parallel_tool_calls", True),
+        parallel_tool_calls=parallel_tool_calls,
+        trace=trace,
     )

@@ -1,4 +1,7 @@
-"""HTTP routes: parse, call the service, render. Nothing else lives here."""
+"""HTTP routes: parse, call the service, render. Nothing else lives here.
+
+The two generation endpoints, the hot path, are one ASGI layer in front of the
+router (:class:`GenerationRoutes`); the rest are FastAPI routes."""
 
 from __future__ import annotations
 
@@ -8,20 +11,24 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from quantroute.api.auth import require_admin, require_client, require_key_if, sees_everyone
+from quantroute.api.errors import render_error
 from quantroute.api.jobs import Run, Tick
 from quantroute.api.render import ResponseRenderer
 from quantroute.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    parse_body,
     parse_generation_body,
 )
 from quantroute.api.service import Service
-from quantroute.api.sse import payloads, sse_stream
+from quantroute.api.sse import EventStreamResponse, payloads
 from quantroute.engines.base import StartEvent
 from quantroute.errors import InvalidRequestError
 from quantroute.observability.dashboard import DASHBOARD_HTML
@@ -62,13 +69,16 @@ async def _respond(
             keep_going = settings.resumable_by_default
         else:
             keep_going = resumable.strip().lower() in ("1", "true", "yes", "on")
+        first, rest = payloads(run)
         stream = _streams(request).open(
             job.id,
             tenant.name,
-            payloads(run),
+            rest,
             close=run.close,
             grace_s=settings.resume_grace_s if keep_going else 0.0,
             headers=_headers(run),
+            first=first,
+            stall_timeout_s=request.app.state.settings.resilience.reader_stall_timeout_s,
         )
         return _sse(request, stream, None)
     renderer = ResponseRenderer(run)
@@ -95,13 +105,10 @@ def _streams(request: Request) -> StreamStore:
     return store
 
 
-def _sse(request: Request, stream: Stream, after: int | None) -> StreamingResponse:
+def _sse(request: Request, stream: Stream, after: int | None) -> EventStreamResponse:
     keepalive_s = request.app.state.settings.server.keepalive_s
-    return StreamingResponse(
-        sse_stream(stream, after, keepalive_s),
-        media_type="text/event-stream",
-        headers=stream.headers | {"cache-control": "no-cache", "x-accel-buffering": "no"},
-    )
+    headers = stream.headers | {"cache-control": "no-cache", "x-accel-buffering": "no"}
+    return EventStreamResponse(stream, after, keepalive_s, headers)
 
 
 def _resume_after(
@@ -126,7 +133,7 @@ async def resume_stream(
     tenant: Client,
     starting_after: Annotated[int | None, Query(ge=0, le=1 << 60)] = None,
     last_event_id: Annotated[str | None, Header(max_length=256)] = None,
-) -> StreamingResponse:
+) -> EventStreamResponse:
     """A stream again, from the event after ``Last-Event-ID`` (or ``starting_after``):
     the events kept, then the live rest; 404 once it expired, or for another tenant."""
     key = stream_id.removeprefix("chatcmpl-").removeprefix("cmpl-")  # a chunk's id works too
@@ -149,14 +156,47 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request, body: ChatCompletionRequest, tenant: Client) -> Any:
-    return await _respond(request, body, tenant)
+_GENERATION: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+}
 
 
-@router.post("/v1/completions")
-async def completions(request: Request, body: CompletionRequest, tenant: Client) -> Any:
-    return await _respond(request, body, tenant)
+class GenerationRoutes:
+    """``POST /v1/chat/completions`` and ``POST /v1/completions`` without FastAPI's
+    router, dependency injection and inner middlewares, which cost more than the rest
+    of a request's gateway path together (docs/benchmarks.md, "The request path").
+
+    The same parts answer as in a route: the tenant of the key (``require_client``,
+    before the body is read), the body (``parse_body``: any content type, as JSON;
+    the schema's errors as 400s naming the field), :func:`_respond`, and the error
+    handlers' rendering (``render_error``). It sits inside the body limit and the
+    internal-error middleware, which apply to it as to every route."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        schema = _GENERATION.get(scope["path"]) if scope["type"] == "http" else None
+        if schema is None:
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            if request.method != "POST":
+                raise HTTPException(405, headers={"Allow": "POST"})
+            tenant = await require_client(request)
+            try:
+                body = parse_body(await request.body(), schema)
+            except ValidationError as exc:
+                raise RequestValidationError(exc.errors()) from exc
+            response = await _respond(request, body, tenant)
+        except Exception as exc:
+            answer = render_error(exc, request.method, scope["path"])
+            if answer is None:
+                raise  # a bug: the internal-error middleware answers it
+            response = answer
+        await response(scope, receive, send)
 
 
 @router.post("/v1/route/explain", dependencies=[Depends(require_key_if("protect_explain"))])

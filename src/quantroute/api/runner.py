@@ -183,7 +183,6 @@ class Runner:
             cached_tokens=cached_tokens,
             pending=pending,
             on_done=done,
-            stall_timeout_s=self._settings.resilience.reader_stall_timeout_s,
             opened=opened,
         )
 

@@ -5,16 +5,18 @@ by :func:`check_limits`; the rest here. Unknown fields are rejected, so a
 misspelt parameter is a 400 rather than silently ignored. Strings may hold any
 Unicode but lone surrogates (``"\\ud800"``), which no encoder can write out.
 
-:func:`parse_generation_body` parses a raw body for the endpoints that read
-it themselves (``/v1/route/explain``): at most :data:`MAX_JSON_DEPTH` levels
-of nesting, checked before the parser recurses.
+:func:`parse_body` parses a raw JSON body into one of them, for the
+endpoints that read their bodies themselves (the generation endpoints and
+``/v1/route/explain``, which takes either kind: :func:`parse_generation_body`):
+at most :data:`MAX_JSON_DEPTH` levels of nesting, checked before the parser
+recurses.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -39,10 +41,12 @@ __all__ = [
     "TextPart",
     "check_limits",
     "check_vocabulary",
+    "parse_body",
     "parse_generation_body",
 ]
 
 MAX_JSON_DEPTH = 64
+_Model = TypeVar("_Model", bound=BaseModel)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _TOKEN_ID = re.compile(r"[0-9]{1,9}")  # ASCII digits: str.isdigit() takes "²" and "٣"
 
@@ -331,11 +335,24 @@ def check_vocabulary(req: ChatCompletionRequest | CompletionRequest, n_vocab: in
 
 
 def parse_generation_body(raw: bytes) -> ChatCompletionRequest | CompletionRequest:
-    """A chat body (one with ``messages``) or a completion body, from raw bytes.
+    """A chat body (one with ``messages``) or a completion body, from raw bytes
+    (:func:`parse_body`)."""
+    data = _json(raw)
+    if "messages" in data:
+        return ChatCompletionRequest.model_validate(data)
+    return CompletionRequest.model_validate(data)
 
-    Malformed JSON, or JSON nested deeper than :data:`MAX_JSON_DEPTH`, is an
-    :class:`InvalidRequestError`; a body that parses but breaks the schema raises
-    pydantic's ``ValidationError`` for the caller to render."""
+
+def parse_body(raw: bytes, schema: type[_Model]) -> _Model:
+    """``schema`` from a raw JSON body. Malformed JSON, or JSON nested deeper than
+    :data:`MAX_JSON_DEPTH`, is an :class:`InvalidRequestError`; a body that parses but
+    breaks the schema raises pydantic's ``ValidationError`` for the caller to render."""
+    return schema.model_validate(_json(raw))
+
+
+def _json(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise InvalidRequestError("The request body is missing.")
     if _too_deep(raw, MAX_JSON_DEPTH):
         raise InvalidRequestError(
             f"The request body is nested deeper than {MAX_JSON_DEPTH} levels."
@@ -344,9 +361,9 @@ def parse_generation_body(raw: bytes) -> ChatCompletionRequest | CompletionReque
         data = json.loads(raw)
     except ValueError as exc:  # also bad UTF-8 and integers past Python's digit limit
         raise InvalidRequestError("The request body is not valid JSON.") from exc
-    if isinstance(data, dict) and "messages" in data:
-        return ChatCompletionRequest.model_validate(data)
-    return CompletionRequest.model_validate(data)
+    if not isinstance(data, dict):
+        raise InvalidRequestError("The request body must be a JSON object.")
+    return data
 
 
 # A JSON string, unrolled so that long strings are one tight loop in the regex engine.

@@ -264,8 +264,8 @@ class Service:
                 deadline=deadline,
                 tenant=tenant,
                 ticket=ticket,
+                trace=trace,
             )
-            job = replace(job, trace=trace)
             trace.bind(job.id)
         except BaseException:
             ticket.release()

@@ -9,7 +9,7 @@ wins over ``response_format``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -22,9 +22,6 @@ from quantroute.engines.grammar import (
     tool_call_grammar,
 )
 from quantroute.errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["JsonSchemaSpec", "ResponseFormat", "grammar_of"]
 
@@ -66,18 +63,21 @@ ResponseFormat = Annotated[
 ]
 
 
-def grammar_of(req: ChatCompletionRequest | CompletionRequest) -> str | None:
-    """The GBNF the output of ``req`` must match, or ``None``."""
-    tools: list[Tool] | None = getattr(req, "tools", None)
-    choice = getattr(req, "tool_choice", None)
+def grammar_of(
+    fmt: ResponseFormat | None,
+    tools: list[Tool] | None = None,
+    choice: Any = None,
+    parallel_tool_calls: bool | None = True,
+) -> str | None:
+    """The GBNF the output must match for a request's ``response_format`` and, a chat
+    request's, its ``tools``, ``tool_choice`` and ``parallel_tool_calls``; or ``None``."""
     try:
         if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
             named = choice.function.name if isinstance(choice, NamedToolChoice) else None
             chosen = [t for t in tools if named is None or t.function.name == named]
             functions = [(t.function.name, t.function.schema_) for t in chosen]
-            parallel = getattr(req, "parallel_tool_calls", True) is not False
+            parallel = parallel_tool_calls is not False
             return tool_call_grammar(functions, parallel=parallel)
-        fmt = req.response_format
         if isinstance(fmt, JsonObjectFormat):
             return json_object_grammar()
         if isinstance(fmt, JsonSchemaFormat):

@@ -8,9 +8,13 @@ then the live rest as it comes, then the end. A client that drops and comes
 back (``Last-Event-ID``) gets exactly the events it missed::
 
     store = StreamStore(StreamSettings())
-    stream = store.open("job-1", "acme", payloads, close=run.close, grace_s=10)
+    stream = store.open("job-1", "acme", rest, close=run.close, grace_s=10, first=head)
     async for item in stream.follow(after=None, keepalive_s=15): ...   # the first client
     async for item in store.get("job-1", "acme", after=41).follow(41, 15): ...  # it, again
+
+``first`` are events that are ready already (a stream's opening chunks and first
+token): they are the stream's before its producer first runs, so the first
+watcher writes them without waiting for a task.
 
 When a stream's last watcher leaves before the end, the producer goes on for
 ``grace_s`` (0: not at all) and is then cancelled if nobody came back, which
@@ -20,8 +24,10 @@ go first; live streams always stay, admission bounds them) and each the
 latest ``max_events_per_stream``. The producer never runs further ahead of
 its slowest reader (or, with none, of where the last one left) than 7/8 of
 that: a slow reader holds the generation back instead of losing events, and
-the last 1/8 keeps what was in flight when a client dropped. Only the owner
-(a tenant name) may follow.
+the last 1/8 keeps what was in flight when a client dropped. A producer held
+back for longer than the stream's ``stall_timeout_s`` ends the stream with a
+``reader_stalled`` error (the reader read nothing for that long), which frees
+its generation. Only the owner (a tenant name) may follow.
 """
 
 from __future__ import annotations
@@ -31,18 +37,25 @@ import contextlib
 import json
 import logging
 from collections import OrderedDict, deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import Any
 
 from quantroute.config import StreamSettings
 from quantroute.errors import NotFoundError, QuantrouteError
 
-__all__ = ["Stream", "StreamStore"]
+__all__ = ["ReaderStalledError", "Stream", "StreamStore"]
 
 log = logging.getLogger(__name__)
 
 # A stream nobody has watched yet gets this long for its first watcher (the response
 # that opened it) before it counts as left: a response that never starts frees its slot.
 ATTACH_S = 5.0
+
+
+class ReaderStalledError(QuantrouteError):
+    """The client stopped reading its stream for longer than the limit."""
+
+    code = "reader_stalled"
 
 
 def _payload(error: QuantrouteError) -> bytes:
@@ -62,7 +75,13 @@ class Stream:
     """One stream's numbered events (``seq`` 0, 1, ...), the latest ``max_events`` kept."""
 
     def __init__(
-        self, key: str, owner: str, headers: Mapping[str, str], max_events: int, grace_s: float
+        self,
+        key: str,
+        owner: str,
+        headers: Mapping[str, str],
+        max_events: int,
+        grace_s: float,
+        stall_timeout_s: float | None = None,
     ):
         self.key = key
         self.owner = owner
@@ -79,6 +98,7 @@ class Stream:
         self._left_at = 0  # where the last watcher to leave was: a resume starts near it
         self._moved = asyncio.Event()  # a reader moved on (or left): the producer may go on
         self._grace_s = grace_s
+        self._stall_timeout_s = stall_timeout_s  # the longest the producer waits for room
         self._watchers = 0
         self._producer: asyncio.Task[None] | None = None
         self._started = False  # the producer ran its first step
@@ -101,10 +121,17 @@ class Stream:
 
     async def room(self) -> None:
         """Returns when the slowest reader (or, with none, the last to leave) is close enough
-        that one more event loses nothing it still needs: backpressure on the generation."""
-        while not self.done and self.next_seq - self._floor() >= self._ahead:
-            self._moved.clear()
-            await self._moved.wait()
+        that one more event loses nothing it still needs: backpressure on the generation.
+        Raises :class:`ReaderStalledError` after ``stall_timeout_s`` of waiting."""
+        try:
+            async with asyncio.timeout(self._stall_timeout_s):
+                while not self.done and self.next_seq - self._floor() >= self._ahead:
+                    self._moved.clear()
+                    await self._moved.wait()
+        except TimeoutError:
+            raise ReaderStalledError(
+                f"the client read nothing for {self._stall_timeout_s:g} s; the stream was cut"
+            ) from None
 
     def _floor(self) -> int:
         cursors = self._cursors
@@ -140,17 +167,25 @@ class Stream:
             yield None if batch is None else batch[0]
 
     async def follow_batches(
-        self, after: int | None, keepalive_s: float | None = None, *, max_batch: int = 1 << 30
+        self,
+        after: int | None,
+        keepalive_s: float | None = None,
+        *,
+        max_batch: int = 1 << 30,
+        until: asyncio.Future[Any] | None = None,
     ) -> AsyncGenerator[list[tuple[int, bytes]] | None, None]:
         """Like :meth:`follow`, but the events kept and not yet seen (up to ``max_batch``) at
         once: one when the reader keeps up, more when it lags or resumes (so they are
-        written together)."""
+        written together). Ends early, as a watcher that left, once ``until`` is done (its
+        client disconnected)."""
         seq = 0 if after is None else after + 1
         cursor = [seq]
         self._attach(cursor)
         loop = asyncio.get_running_loop()
+        if until is not None:
+            until.add_done_callback(self._woken)
         try:
-            while True:
+            while until is None or not until.done():
                 if seq < self.first_seq:  # this watcher fell behind what is kept
                     raise NotFoundError(
                         "the stream's events after that id are no longer kept",
@@ -187,7 +222,12 @@ class Stream:
                     if waiter in self._waiters:  # timed out or cancelled: not woken
                         self._waiters.remove(waiter)
         finally:
+            if until is not None:
+                until.remove_done_callback(self._woken)
             self._detach(cursor)  # sync: this may run inside a cancelled scope
+
+    def _woken(self, _: object) -> None:
+        self._wake()  # a watcher's client left: it stops waiting (the others wait again)
 
     # -- watchers and the grace ----------------------------------------------------
 
@@ -253,14 +293,25 @@ class StreamStore:
         close: Callable[[], Awaitable[None]],
         grace_s: float,
         headers: Mapping[str, str] | None = None,
+        first: Iterable[bytes] = (),
+        stall_timeout_s: float | None = None,
     ) -> Stream:
-        """Start producing ``source`` into a new stream; ``close`` is awaited once when it
-        ends, however it ends (it frees the generation)."""
+        """Start producing ``source`` into a new stream, after the events ``first``;
+        ``close`` is awaited once when it ends, however it ends (it frees the generation)."""
         if key in self._streams:
             raise ValueError(f"stream {key} exists")
         while len(self._streams) >= self.settings.max_streams and self._finished:
             self._drop(next(iter(self._finished)))
-        stream = Stream(key, owner, headers or {}, self.settings.max_events_per_stream, grace_s)
+        stream = Stream(
+            key,
+            owner,
+            headers or {},
+            self.settings.max_events_per_stream,
+            grace_s,
+            stall_timeout_s,
+        )
+        for data in first:
+            stream.append(data)
         self._streams[key] = stream
         self._closers[key] = close
         stream._producer = asyncio.get_running_loop().create_task(
@@ -312,6 +363,9 @@ class StreamStore:
         except asyncio.CancelledError:
             stream.append(CANCELLED)
             raise
+        except ReaderStalledError as exc:
+            log.warning("stream %s: %s", stream.key, exc.message)
+            stream.append(_payload(exc))
         except Exception:
             log.exception("stream %s failed", stream.key)
             stream.append(FAILED)
