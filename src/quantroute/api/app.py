@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.telemetry import TelemetryConfig
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quantroute.api.body_limit import BodyLimitMiddleware
@@ -45,7 +46,10 @@ def create_app(
             await streams.close()  # their producers hold runs on the gateway's engines
             await gateway.stop()
 
-    app = _App(title="quantroute", version="0.1.0", lifespan=lifespan)
+    # FastAPI's own OpenTelemetry stays off: the request's spans and metrics are ours
+    # (observability/), and its check for a global provider costs every request.
+    off = TelemetryConfig(tracing=False, metrics=False, logs=False)
+    app = _App(title="quantroute", version="0.1.0", lifespan=lifespan, telemetry=off)
     app.state.settings = settings
     app.state.gateway = gateway  # for tests and the lifespan; routes use the service only
     app.state.service = gateway.service
