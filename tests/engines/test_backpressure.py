@@ -1,6 +1,6 @@
 """Slow readers: a stream's buffer is bounded at every hop, and the worker pauses a
 sequence whose reader falls behind, then resumes it; a reader stalled past its limit is
-cut off and its slot freed. One choice is read straight from its engine stream."""
+cut off and its slot freed."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import json
 import pytest
 
 from qrtest import demo_model_dir, fake_table
-from quantroute.api.jobs import Job, Run, Tick, build_job
+from quantroute.api.jobs import Job, Run, build_job
 from quantroute.api.schemas import CompletionRequest
 from quantroute.api.sse import payloads
 from quantroute.config import StreamSettings
@@ -24,13 +24,11 @@ from quantroute.routing.policy import pinned
 from quantroute.routing.table import Branch
 
 
-def _pinned_job(
-    engine: FakeEngine, max_tokens: int, *, stream: bool, n: int = 1
-) -> tuple[Branch, Job]:
+def _pinned_job(engine: FakeEngine, max_tokens: int, *, stream: bool) -> tuple[Branch, Job]:
     """A completion of ``max_tokens`` pinned to ``engine``'s one branch: its branch and job."""
     branch = fake_table({"f16": engine}).models["tiny-llama"].branches[0]
     req = CompletionRequest(
-        model="tiny-llama:f16", prompt="x", max_tokens=max_tokens, stream=stream, n=n
+        model="tiny-llama:f16", prompt="x", max_tokens=max_tokens, stream=stream
     )
     decision = pinned("tiny-llama", branch.id, ready=True, retry_after_s=1.0)
     return branch, build_job(req, decision, (branch,), None, max_tokens=max_tokens, deadline=None)
@@ -101,12 +99,12 @@ async def test_a_reader_stalled_past_its_limit_is_cut_off_and_the_slot_freed() -
     await store.close()
 
 
-@pytest.mark.parametrize("read", ["events", "batches"])
 @pytest.mark.parametrize("crash_after", [None, 5])
-async def test_one_choice_is_read_without_a_pump(crash_after: int | None, read: str) -> None:
-    """One choice (a whole response's, or a stream's: ``batches``) comes straight from the
-    engine stream, in the reader's task: the same events, the usage, the drift monitor's
-    tokens and the verdict all the same."""
+async def test_a_whole_response_reads_its_one_choice_without_a_pump(
+    crash_after: int | None,
+) -> None:
+    """One choice read whole comes straight from the engine stream, in the reader's task:
+    the same events, the usage, the drift monitor's tokens and the verdict all the same."""
     from quantroute.engines.fake import FakeFaults
     from quantroute.errors import EngineError
 
@@ -129,14 +127,9 @@ async def test_one_choice_is_read_without_a_pump(crash_after: int | None, read: 
     tasks = len(asyncio.all_tasks())
     events = []
     with contextlib.suppress(EngineError):
-        if read == "events":
-            async for item in run.events():
-                assert len(asyncio.all_tasks()) == tasks  # no pump task
-                events.append(item)
-        else:
-            async for batch in run.batches():
-                assert len(asyncio.all_tasks()) == tasks and not isinstance(batch, Tick)
-                events.extend(batch)
+        async for item in run.events():
+            assert len(asyncio.all_tasks()) == tasks  # no pump task
+            events.append(item)
     tokens = [e for _, e in events if isinstance(e, TokenEvent)]
     assert events[0] == (0, pending[0]) and run._pumps == []
     assert engine.in_flight == 0  # closed either way
@@ -150,15 +143,14 @@ async def test_one_choice_is_read_without_a_pump(crash_after: int | None, read: 
 
 @pytest.mark.parametrize("lag_s", [0.0, 0.3])
 async def test_a_run_whose_reader_fell_behind_is_held(lag_s: float) -> None:
-    """A reader the run's own buffer had to wait for (choices read by pumps: more than one)
-    marks the run ``held`` (its timing is the reader's: routing's observed speed leaves it
-    out), though the engine never paused."""
+    """A reader the run's own buffer had to wait for marks the run ``held`` (its timing is
+    the reader's: routing's observed speed leaves it out), though the engine never paused."""
     engine = FakeEngine(token_delay_s=0.001)  # 300 tokens in about 0.3 s
-    branch, job = _pinned_job(engine, 300, stream=True, n=2)
+    branch, job = _pinned_job(engine, 300, stream=True)
     await engine.start()
-    streams = [aiter(engine.generate(request)) for request in job.requests]
-    pending = [[await anext(stream)] for stream in streams]
-    run = Run(job, branch, streams, [1, 1], pending=pending)
+    stream = aiter(engine.generate(job.requests[0]))
+    first = await anext(stream)
+    run = Run(job, branch, [stream], [1], pending=[[first]])
     batches = aiter(run.batches())
     await anext(batches)
     await asyncio.sleep(lag_s)  # a reader that looks away while the tokens come

@@ -70,11 +70,12 @@ class Run:
     ``False`` when the engine failed one, ``None`` when it was cut short (the client
     left, or stopped reading).
 
-    One choice read without keep-alives (a whole response's collector, a stream's
-    producer in the stream store) comes straight from its engine stream in the reader's
-    task: no pump task, no buffer, and a reader that lags holds the engine stream back
-    itself (the worker pauses the sequence: ``FinishEvent.held``). Several choices are
-    read by a pump task each into a bounded buffer (``RUN_BUFFER_EVENTS`` per choice).
+    :meth:`batches` (a stream's producer in the stream store) reads each choice with a
+    pump task into a bounded buffer (``RUN_BUFFER_EVENTS`` per choice), so that what is
+    ready together is handed out together: a reader that lags gets one chunk for the
+    tokens that piled up. :meth:`events` with one choice and no keep-alives (a whole
+    response's collector, which reads as fast as events come) reads it straight from its
+    engine stream in the reader's task: no pump, no buffer.
     """
 
     def __init__(
@@ -119,7 +120,7 @@ class Run:
         self, keepalive_s: float | None = None
     ) -> AsyncIterator[tuple[int, EngineEvent] | Tick]:
         """Every choice's events, interleaved as they come; ``Tick`` when idle."""
-        if self._reads_directly(keepalive_s):
+        if len(self._streams) == 1 and keepalive_s is None:
             try:
                 async with contextlib.aclosing(self._direct()) as events:
                     async for event in events:
@@ -143,22 +144,11 @@ class Run:
             self._note(index, event)
         return taken
 
-    def _reads_directly(self, keepalive_s: float | None) -> bool:
-        return len(self._streams) == 1 and keepalive_s is None
-
     async def batches(
         self, keepalive_s: float | None = None
     ) -> AsyncIterator[list[tuple[int, EngineEvent]] | Tick]:
         """Like :meth:`events`, but each time every event that is ready, in order: one
         when the reader keeps up, more when it lags (so it can write them at once)."""
-        if self._reads_directly(keepalive_s):
-            try:
-                async with contextlib.aclosing(self._direct()) as events:
-                    async for event in events:
-                        yield [(0, event)]
-            finally:
-                await self.close()
-            return
         self._pumps = [
             asyncio.create_task(self._pump(i, s), name=f"pump:{self.job.id}:{i}")
             for i, s in enumerate(self._streams)
@@ -235,7 +225,7 @@ class Run:
         self._put(None)
 
     async def _emit(self, index: int, event: EngineEvent) -> None:
-        if self._room <= 0:  # the reader is behind (its own limit cuts it: the stream store)
+        if self._room <= 0:  # the reader is behind (the stream store cuts one that stalls)
             self.held = True  # and its timing is the reader's, not the engine's
             while self._room <= 0:
                 self._drained.clear()

@@ -124,7 +124,7 @@ class Observer:
 
     def begin(self, req: Any, headers: Mapping[str, str], tenant: str) -> RequestTrace:
         """A generation request arrived (``req``: a chat or text completion body)."""
-        chat = hasattr(req, "messages")
+        chat = "messages" in getattr(type(req), "model_fields", ())  # no missed attribute
         attributes: dict[str, Any] = {}
         if self.tracing.tracer is not None:  # only traces read these
             attributes = {
