@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import sys
 
@@ -94,7 +95,9 @@ async def test_a_stream_under_uvicorn_arrives_whole_and_its_connection_serves_ag
                 first = await asyncio.wait_for(reader.read(65536), 10)
                 assert first.startswith(b"HTTP/1.1 200")
                 whole = await _read_response(reader, first)
-                assert whole.count(b"data: ") == 4 + 1 + 1  # 4 tokens, the end, [DONE]
+                events = re.findall(rb"^data: (.*?)\r?$", whole, re.MULTILINE)
+                text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+                assert len(text) == 4 and events[-1] == b"[DONE]"  # every token, then the end
         finally:
             writer.close()
 
