@@ -23,8 +23,9 @@ The load generator is this process, over real loopback sockets.
 
 On a 2-core machine the load generator shares the CPU with the server, so the
 rate is a floor of what a dedicated client would see; the CPU figure is the
-server's own and is not affected by that. Results go to
-``benchmarks/results/gateway-<date>.json``; ``--markdown`` prints the table.
+server's own and is not affected by that. Results go to ``--out`` (default
+``benchmarks/results/gateway-<date>T<time>.json``, so a second run of the day keeps the
+first); ``--markdown`` prints the table.
 """
 
 from __future__ import annotations
@@ -311,14 +312,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--paced-streams", type=int, default=64)
     p.add_argument("--paced-concurrency", type=int, default=16)
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("--out", type=Path, help="JSON file (default benchmarks/results/...)")
     return p.parse_args()
 
 
 if __name__ == "__main__":
     args = parse_args()
     result = asyncio.run(main(args))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"gateway-{result['date']}.json"
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H%M%S")
+    out = args.out or RESULTS / f"gateway-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     if args.markdown:
         print("\n| offered rate (req/s) | achieved | p50 (ms) | p99 (ms) | errors |")
