@@ -344,9 +344,10 @@ def parse_generation_body(raw: bytes) -> ChatCompletionRequest | CompletionReque
 
 
 def parse_body(raw: bytes, schema: type[_Model]) -> _Model:
-    """``schema`` from a raw JSON body. Malformed JSON, or JSON nested deeper than
-    :data:`MAX_JSON_DEPTH`, is an :class:`InvalidRequestError`; a body that parses but
-    breaks the schema raises pydantic's ``ValidationError`` for the caller to render."""
+    """``schema`` from a raw JSON body. A body that is missing, not JSON, not a JSON
+    object, or nested deeper than :data:`MAX_JSON_DEPTH` is an
+    :class:`InvalidRequestError` saying which; one that parses but breaks the schema
+    raises pydantic's ``ValidationError`` for the caller to render."""
     return schema.model_validate(_json(raw))
 
 
