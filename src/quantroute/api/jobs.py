@@ -279,6 +279,16 @@ def _time_out(waiter: asyncio.Future[None]) -> None:
         waiter.set_exception(TimeoutError())
 
 
+def request_grammar(req: ChatCompletionRequest | CompletionRequest) -> str | None:
+    """The GBNF a request's output must match (its ``response_format``; a chat request's
+    forced tool calls), or ``None``; a 400 for a schema the grammar cannot enforce. Worked
+    out before the request is admitted: a request that can never run does not wait in the
+    model's queue, nor take a place there."""
+    if isinstance(req, ChatCompletionRequest):
+        return grammar_of(req.response_format, req.tools, req.tool_choice, req.parallel_tool_calls)
+    return grammar_of(req.response_format)
+
+
 def build_job(
     req: ChatCompletionRequest | CompletionRequest,
     decision: Decision,
@@ -287,12 +297,14 @@ def build_job(
     *,
     max_tokens: int,
     deadline: float | None,
+    grammar: str | None = None,
     tenant: Tenant = OPEN,
     ticket: Ticket | None = None,
     trace: RequestTrace = NULL_TRACE,
 ) -> Job:
     """The engine requests of a validated request: one per choice (``n`` per prompt),
-    with its sampling; ``prompt`` is the rendered chat prompt of a chat request."""
+    with its sampling; ``prompt`` is the rendered chat prompt of a chat request, and
+    ``grammar`` the request's :func:`request_grammar`."""
     job_id = uuid.uuid4().hex
     seed = None if req.seed is None else req.seed & _SEED_MASK
     kind: Kind
@@ -307,7 +319,6 @@ def build_job(
         special = prompt.template == "model"
         kind = "chat"
         chat_tools, parallel_tool_calls = bool(req.active_tools), req.parallel_tool_calls
-        grammar = grammar_of(req.response_format, req.tools, req.tool_choice, parallel_tool_calls)
     else:
         limit = req.max_tokens
         fit_context, logprobs = limit is None, req.logprobs is not None
@@ -317,7 +328,6 @@ def build_job(
         special = False
         kind = "completion"
         chat_tools, parallel_tool_calls = False, True
-        grammar = grammar_of(req.response_format)
     sampling = SamplingParams(
         max_tokens=limit or max_tokens,
         fit_context=fit_context,

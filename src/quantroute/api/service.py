@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from quantroute.api import views
-from quantroute.api.jobs import Job, Run, build_job
+from quantroute.api.jobs import Job, Run, build_job, request_grammar
 from quantroute.api.runner import Runner
 from quantroute.api.schemas import (
     ChatCompletionRequest,
@@ -188,6 +188,7 @@ class Service:
         self, req: Request, headers: Mapping[str, str], tenant: Tenant, trace: RequestTrace
     ) -> Job:
         check_limits(req, self._settings.limits)
+        grammar = request_grammar(req)
         gateway = self._gateway
         who = Audience.of(req.user, headers)
         route, _ = lookup(gateway.routes.current, req.model, who)
@@ -203,7 +204,7 @@ class Service:
             )
         stamp = gateway.limits.started(tenant)  # counted now: no wait since the check
         try:
-            return await self._admit(req, headers, tenant, route.name, trace, who)
+            return await self._admit(req, headers, tenant, route.name, trace, who, grammar)
         except BaseException:
             gateway.limits.withdrawn(tenant, stamp)
             raise
@@ -216,6 +217,7 @@ class Service:
         model: str,
         trace: RequestTrace,
         who: Audience,
+        grammar: str | None,
     ) -> Job:
         """The model's admission queue, routing and the engine requests of ``prepare``."""
         gateway = self._gateway
@@ -262,6 +264,7 @@ class Service:
                 prompt,
                 max_tokens=self._settings.limits.max_tokens,
                 deadline=deadline,
+                grammar=grammar,
                 tenant=tenant,
                 ticket=ticket,
                 trace=trace,

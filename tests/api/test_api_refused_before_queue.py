@@ -1,0 +1,65 @@
+"""A request the server can never run is refused before the model's admission queue: its
+400 does not wait behind other requests, does not take their place, and is not a 503
+when the model is full."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from qrtest import fake_table, serving
+from quantroute.api.app import create_app
+from quantroute.config import load_settings
+from quantroute.engines.fake import FakeEngine
+
+SCHEMA_400 = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"oneOf": []}}}
+TOOL_400 = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"type": "string", "format": "email"}},
+}
+REFUSED: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/completions", {"prompt": "x", "response_format": SCHEMA_400}, "response_format"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "response_format": SCHEMA_400},
+        "response_format",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [TOOL_400],
+            "tool_choice": "required",
+        },
+        "tools",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), REFUSED)
+async def test_an_unenforceable_schema_is_a_400_while_the_model_is_full(
+    path: str, body: dict[str, Any], param: str
+) -> None:
+    # one request at a time (64 slots x 1/64), no queue: a second waits for nothing, a 503
+    settings = load_settings(
+        telemetry={"devices": "sim:1x24GiB"},
+        admission={"slots_factor": 1 / 64, "queue_size": 0},
+    )
+    table = fake_table({"f16": FakeEngine(token_delay_s=0.05)})
+    async with serving(create_app(settings, table)) as (http, _):
+        running = asyncio.create_task(
+            http.post(
+                "/v1/completions", json={"model": "tiny-llama", "prompt": "x", "max_tokens": 40}
+            )
+        )
+        await asyncio.sleep(0.3)  # it holds the model's one place
+        full = await http.post(
+            "/v1/completions", json={"model": "tiny-llama", "prompt": "x", "max_tokens": 1}
+        )
+        assert full.status_code == 503  # the model is full: a request it could run waits
+        refused = await http.post(path, json={"model": "tiny-llama", **body})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"].startswith(param)
+        assert (await running).status_code == 200
