@@ -8,6 +8,8 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qrtest import ADMIN_KEY, fake_app, serving
 from quantroute.engines.fake import FakeEngine
@@ -16,7 +18,7 @@ from quantroute.routing.policy import choose
 from quantroute.routing.records import BranchState, RequestShape
 from quantroute.routing.requirement import parse_requirement
 from quantroute.routing.settings import GiB, RoutingSettings
-from quantroute.routing.speeds import ObservedSpeeds, observe_finished
+from quantroute.routing.speeds import STEP, ObservedSpeeds, observe_finished
 from quantroute.types import Precision
 
 S = RoutingSettings()
@@ -307,3 +309,75 @@ def test_only_a_branch_that_fails_the_deadline_alone_and_has_observations_is_in_
     coarse = _branch("q4_k_m", mean_kld=0.5, **seen)
     with pytest.raises(ServiceUnavailableError):
         choose("m", _balanced(30), SHAPE, (coarse,), S)  # type: ignore[arg-type]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    samples=st.lists(
+        st.tuples(
+            st.floats(0.001, 0.2),  # seconds to the first token
+            st.integers(1, 80),  # tokens
+            st.floats(0.0, 1.0),  # decode seconds
+            st.floats(0.0, 20.0),  # seconds since the last request
+        ),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_routing_reads_each_estimate_in_steps_within_a_sixteenth_of_it(
+    samples: list[tuple[float, int, float, float]],
+) -> None:
+    """The table routing reads holds an entry while every figure stays within ``STEP`` of
+    its mean from the estimate (``get``), and not past ``max_age_s / 8``; it is replaced,
+    by the estimate itself, as soon as one would not. Fails when a step is missed."""
+    speeds = ObservedSpeeds(weight=0.2, max_age_s=60.0)
+    table, _ = speeds.table()
+    now, published = 0.0, 0
+    for ttft_s, tokens, decode_s, gap in samples:
+        now += gap
+        before = table.get("b")
+        exact = speeds.observe("b", ttft_s, tokens, decode_s, now=now)
+        shown = table["b"]
+        if shown is not before:
+            published += 1
+            assert shown is exact  # a new entry is the estimate, as it is now
+        assert now - shown.at <= 60.0 / 8
+        assert abs(shown.ttft_ms - exact.ttft_ms) <= STEP * shown.ttft_ms
+        assert abs(shown.ttft_dev_ms - exact.ttft_dev_ms) <= STEP * shown.ttft_ms
+        assert (shown.tpot_ms is None) == (exact.tpot_ms is None)
+        if shown.tpot_ms is not None and exact.tpot_ms is not None:
+            assert abs(shown.tpot_ms - exact.tpot_ms) <= STEP * shown.tpot_ms
+            assert abs(shown.tpot_dev_ms - exact.tpot_dev_ms) <= STEP * shown.tpot_ms
+    speeds.forget("b")
+    assert "b" not in table
+
+
+def test_steady_requests_leave_the_routing_entry_as_it_is() -> None:
+    """Requests as fast as the estimate says move it by less than a step: the entry (and
+    so the branch's routing record) stays the same object, where the estimate is a new
+    one per request."""
+    speeds = ObservedSpeeds(weight=0.2, max_age_s=60.0)
+    table, _ = speeds.table()
+    for i in range(20):
+        speeds.observe("b", 0.010, 65, 0.064, now=i * 0.1)
+    first = table["b"]
+    for i in range(20, 50):  # 3 % either side of the mean
+        speeds.observe("b", 0.0103 if i % 2 else 0.0097, 65, 0.064, now=i * 0.1)
+    assert table["b"] is first and speeds.get("b", now=5.0) is not first
+    speeds.observe("b", 0.050, 65, 0.064, now=5.0)  # a slow one moves the mean 80 %
+    assert table["b"] is not first and table["b"].ttft_ms > 15.0
+
+
+def test_the_routing_entry_is_renewed_within_an_eighth_of_max_age() -> None:
+    """Identical requests never move the estimate, but its entry is renewed after
+    ``max_age_s / 8``, so it does not age out while requests keep coming."""
+    speeds = ObservedSpeeds(weight=0.2, max_age_s=60.0)
+    table, _ = speeds.table()
+    for _ in range(60):  # the spread, half the first sample at first, decays to nothing
+        speeds.observe("b", 0.010, 65, 0.064, now=0.0)
+    first = table["b"]
+    for t in range(1, 8):
+        speeds.observe("b", 0.010, 65, 0.064, now=float(t))
+    assert table["b"] is first  # 7 s: under 7.5
+    speeds.observe("b", 0.010, 65, 0.064, now=8.0)
+    assert table["b"] is not first and table["b"].at == 8.0

@@ -18,6 +18,13 @@ observations, rather than being shunned forever on old news).
 Times per token are averaged rather than rates, because latency adds up per token: the
 mean of 1 ms and 9 ms per token predicts 5 ms, the right mean time, where the mean of
 1000 and 111 tok/s would predict 1.8 ms.
+
+Routing reads the estimates in steps (:meth:`ObservedSpeeds.table`): a branch's entry
+there is replaced only when one of its figures moved by more than :data:`STEP` of its
+mean since the entry was published, or ``max_age_s / 8`` went by. Every finished request
+moves the mean a little; were each move a new entry, the branch's routing record would be
+rebuilt and ranked afresh on every request (about half of a decision's cost), for a
+difference far inside the estimate's own noise.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ObservedSpeed", "ObservedSpeeds", "observe_finished"]
+__all__ = ["STEP", "ObservedSpeed", "ObservedSpeeds", "observe_finished"]
+
+STEP = 1 / 16  # routing's table moves when a figure moved by more than this of its mean
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +67,7 @@ class ObservedSpeeds:
         self._weight = weight
         self._max_age_s = max_age_s
         self._speeds: dict[str, ObservedSpeed] = {}
+        self._published: dict[str, ObservedSpeed] = {}  # what routing reads: see the module
 
     def observe(
         self,
@@ -96,17 +106,20 @@ class ObservedSpeeds:
                 tpot_dev,
             )
         self._speeds[branch_id] = new
+        shown = self._published.get(branch_id)
+        if shown is None or new.at - shown.at > self._max_age_s / 8 or _moved(shown, new):
+            self._published[branch_id] = new
         return new
 
     def table(self) -> tuple[Mapping[str, ObservedSpeed], float]:
-        """Every branch's latest estimate, read only, and ``max_age_s``: for a caller that
-        reads many branches at once (routing, per request) without a call per branch;
-        an estimate older than ``max_age_s`` counts as none, as in :meth:`get`."""
-        return self._speeds, self._max_age_s
+        """Every branch's estimate in steps (see the module: each figure within
+        :data:`STEP` of :meth:`get`'s, the same object until it moves), read only, and
+        ``max_age_s``: for routing, which reads many branches per request without a call
+        per branch; an entry older than ``max_age_s`` counts as none, as in :meth:`get`."""
+        return self._published, self._max_age_s
 
     def get(self, branch_id: str, now: float | None = None) -> ObservedSpeed | None:
-        """The estimate, or ``None`` with no observation within ``max_age_s``. The same
-        object until the next observation (routing keeps its record while it holds)."""
+        """The estimate, or ``None`` with no observation within ``max_age_s``."""
         speed = self._speeds.get(branch_id)
         if speed is None:
             return None
@@ -129,6 +142,24 @@ class ObservedSpeeds:
     def forget(self, branch_id: str) -> None:
         """A branch whose worker or file changed: what it did before says nothing now."""
         self._speeds.pop(branch_id, None)
+        self._published.pop(branch_id, None)
+
+
+def _moved(shown: ObservedSpeed, new: ObservedSpeed) -> bool:
+    """Whether a figure of ``new`` is more than :data:`STEP` of its mean from ``shown``'s
+    (a deviation counts against the mean it spreads around)."""
+    ttft, tpot = shown.ttft_ms, shown.tpot_ms
+    if (
+        abs(new.ttft_ms - ttft) > STEP * ttft
+        or abs(new.ttft_dev_ms - shown.ttft_dev_ms) > STEP * ttft
+    ):
+        return True
+    if tpot is None or new.tpot_ms is None:
+        return tpot is not new.tpot_ms
+    return (
+        abs(new.tpot_ms - tpot) > STEP * tpot
+        or abs(new.tpot_dev_ms - shown.tpot_dev_ms) > STEP * tpot
+    )
 
 
 def observe_finished(
