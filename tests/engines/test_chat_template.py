@@ -10,7 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quantroute.engines.chat_template import (
+    _FAST,
     DEFAULT_STOPS,
+    INLINE_CONTENT_CHARS,
+    INLINE_S,
     render_chat,
     render_chat_bounded,
 )
@@ -301,3 +304,91 @@ def _busy(thread: threading.Thread) -> bool:
 async def test_bounded_render_gives_the_same_prompt() -> None:
     prompt = await render_chat_bounded(MESSAGES, model_template=None, timeout_s=1.0)
     assert prompt == render_chat(MESSAGES, model_template=None)
+
+
+# A template that is fast unless the last message asks it not to be: slow (a loop past the
+# loop's small budget, not the thread's), huge (a value past the loop's size budget, not the
+# thread's), or runaway (past every budget).
+SHIFTY = (
+    "{% set last = messages[-1].content %}"
+    "{% if last == 'slow' %}{% for i in range(20000) %}{% for j in range(10) %}{% endfor %}"
+    "{% endfor %}{% endif %}"
+    "{% if last == 'huge' %}{{ 'x' * 400000 }}{% endif %}"
+    "{% if last == 'runaway' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+    "{% endfor %}{% endfor %}{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+)
+
+
+async def _render_counting_threads(
+    monkeypatch: pytest.MonkeyPatch, content: str, timeout_s: float = 1.0
+) -> tuple[str, int, float]:
+    """The prompt, how many thread hand-offs it took, and the longest the loop stood still."""
+    threads = 0
+    real = asyncio.to_thread
+
+    async def counting(*args: object, **kwargs: object) -> object:
+        nonlocal threads
+        threads += 1
+        return await real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(asyncio, "to_thread", counting)
+    gaps = [0.0]
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0)
+            now = time.monotonic()
+            gaps[0] = max(gaps[0], now - last)
+            last = now
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    try:
+        prompt = await render_chat_bounded(
+            [{"role": "user", "content": content}], model_template=SHIFTY, timeout_s=timeout_s
+        )
+    finally:
+        task.cancel()
+    return prompt.text, threads, gaps[0]
+
+
+async def test_a_small_conversation_renders_on_the_loop_once_its_template_proved_fast(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _FAST.clear()
+    text, threads, _ = await _render_counting_threads(monkeypatch, "hi")
+    assert (text, threads) == ("<user>hi<assistant>", 1)  # first: compiled and timed in a thread
+    text, threads, _ = await _render_counting_threads(monkeypatch, "hello")
+    assert (text, threads) == ("<user>hello<assistant>", 0)  # then on the loop
+    expected = render_chat([{"role": "user", "content": "hello"}], model_template=SHIFTY)
+    assert text == expected.text
+    big = "y" * (INLINE_CONTENT_CHARS + 1)  # a long conversation: a thread, always
+    text, threads, _ = await _render_counting_threads(monkeypatch, big)
+    assert threads == 1 and text.endswith(big + "<assistant>")
+
+
+@pytest.mark.parametrize("content", ["slow", "huge"])
+async def test_a_render_past_the_loops_budget_finishes_in_a_thread(
+    monkeypatch: pytest.MonkeyPatch, content: str
+) -> None:
+    _FAST.clear()
+    await _render_counting_threads(monkeypatch, "hi")  # the template is fast: on the loop next
+    text, threads, gap = await _render_counting_threads(monkeypatch, content)
+    assert threads == 1 and text.endswith(f"<user>{content}<assistant>")  # the full budget's
+    assert gap < INLINE_S + 0.03  # the loop was held for the small budget at most (and noise)
+    _, threads, _ = await _render_counting_threads(monkeypatch, "hi")
+    assert threads == 1  # back to threads until a thread render is fast again
+
+
+async def test_a_runaway_render_stops_on_the_loop_at_its_budget_and_in_its_thread_at_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _FAST.clear()
+    await _render_counting_threads(monkeypatch, "hi")
+    start = time.monotonic()
+    with pytest.raises(TemplateError) as info:
+        await _render_counting_threads(monkeypatch, "runaway", timeout_s=0.3)
+    assert info.value.error_code == "chat_template_limit"
+    assert 0.25 < time.monotonic() - start < 1.5

@@ -17,7 +17,9 @@ grows without end stops instead of burning a core or the gateway's memory:
   ``s|indent(big)``, ``s.replace(a, big)``); integers stay under
   :data:`MAX_INT_BITS` (``2 ** 10**10``).
 
-:func:`render_chat_bounded` renders in a thread, off the event loop.
+:func:`render_chat_bounded` renders a small conversation on the event loop under a small
+budget of its own (2 ms, 256K characters), when the template's last render in a thread was
+fast; anything else, and whatever runs out of that budget, in a thread, off the loop.
 
 What a failure is, for the client:
 
@@ -47,6 +49,7 @@ starts a new turn.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import datetime
 import functools
@@ -512,6 +515,22 @@ def render_chat(
     the template's ``tools`` variable (OpenAI's shape; ``None`` when none). The BOS
     token is added by the tokenizer, so a template's leading ``bos_token`` is removed
     here rather than doubled."""
+    try:
+        return _render(messages, model_template, tools, bos_token, eos_token, timeout_s, max_chars)
+    except _LimitExceeded as exc:
+        raise _limit_error(exc.what, timeout_s, max_chars) from None
+
+
+def _render(
+    messages: Sequence[dict[str, Any]],
+    model_template: str | None,
+    tools: list[dict[str, Any]] | None,
+    bos_token: str,
+    eos_token: str,
+    timeout_s: float,
+    max_chars: int,
+) -> ChatPrompt:
+    """:func:`render_chat`, but a budget it runs out of raises :class:`_LimitExceeded`."""
     source = model_template or DEFAULT_TEMPLATE
     budget = _Budget(time.monotonic() + timeout_s, max_chars)
     token = _BUDGET.set(budget)
@@ -529,8 +548,8 @@ def render_chat(
             param="messages",
             code="chat_template_refused",
         ) from None
-    except _LimitExceeded as exc:
-        raise _limit_error(exc.what, timeout_s, max_chars) from None
+    except _LimitExceeded:
+        raise
     except jinja2.exceptions.SecurityError as exc:
         raise TemplateError(
             "the model's chat template tried an unsafe operation and was stopped"
@@ -546,6 +565,31 @@ def render_chat(
     return ChatPrompt(text, DEFAULT_STOPS, "default")
 
 
+# A small conversation is rendered on the event loop, where a thread's hand-off costs more
+# than the render, under a budget of its own: at most INLINE_S and INLINE_MAX_CHARS (so no
+# one C-level operation of the template is long either). Only with a template whose last
+# render in a thread took under a quarter of INLINE_S (it is compiled, and fast); one that
+# runs out of the small budget is rendered again in a thread, under the full one, and goes
+# back to threads until a thread render is fast again.
+INLINE_S = 0.002
+INLINE_MAX_CHARS = 1 << 18
+INLINE_CONTENT_CHARS = 8192  # of message content, and no tools: what is tried on the loop
+_FAST: set[str] = set()  # template sources fast enough for the loop
+_FAST_MAX = 32
+
+
+def _small(messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
+    if tools:
+        return False
+    chars = 0
+    for m in messages:
+        content = m.get("content")
+        chars += len(content) if isinstance(content, str) else INLINE_CONTENT_CHARS + 1
+        if chars > INLINE_CONTENT_CHARS:
+            return False
+    return True
+
+
 async def render_chat_bounded(
     messages: Sequence[dict[str, Any]],
     *,
@@ -556,25 +600,42 @@ async def render_chat_bounded(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     max_chars: int = DEFAULT_MAX_CHARS,
 ) -> ChatPrompt:
-    """:func:`render_chat` in a worker thread, so the event loop never waits on a
-    template. The budget stops the template in its thread at ``timeout_s``; should
-    one C-level operation still hold it, the caller stops waiting shortly after and
-    gets the same ``chat_template_limit`` error."""
-    render = functools.partial(
-        render_chat,
-        messages,
-        model_template=model_template,
-        tools=tools,
-        bos_token=bos_token,
-        eos_token=eos_token,
-        timeout_s=timeout_s,
-        max_chars=max_chars,
-    )
+    """:func:`render_chat`, never holding the event loop for long: a small conversation
+    with a template known to be fast on the loop under a small budget of its own
+    (:data:`INLINE_S`), anything else in a worker thread. The budget stops the template
+    in its thread at ``timeout_s``; should one C-level operation still hold it, the
+    caller stops waiting shortly after and gets the same ``chat_template_limit`` error."""
+    source = model_template or DEFAULT_TEMPLATE
+    if source in _FAST and timeout_s > INLINE_S and _small(messages, tools):
+        inline_chars = min(max_chars, INLINE_MAX_CHARS)
+        try:
+            return _render(
+                messages, model_template, tools, bos_token, eos_token, INLINE_S, inline_chars
+            )
+        except _LimitExceeded:
+            _FAST.discard(source)  # over the small budget: the thread says what it is
+    args = (messages, model_template, tools, bos_token, eos_token, timeout_s, max_chars)
     try:
         async with asyncio.timeout(timeout_s + _BACKSTOP_S):
-            return await asyncio.to_thread(render)
+            prompt, took_s = await asyncio.to_thread(_timed_render, *args)
     except TimeoutError:
         raise _limit_error("time", timeout_s, max_chars) from None
+    except _LimitExceeded as exc:
+        raise _limit_error(exc.what, timeout_s, max_chars) from None
+    if took_s < INLINE_S / 4:
+        if len(_FAST) >= _FAST_MAX:
+            _FAST.clear()
+        _FAST.add(source)
+    return prompt
+
+
+def _timed_render(*args: Any) -> tuple[ChatPrompt, float]:
+    """:func:`_render` and how long it took, its template's compilation left out."""
+    with contextlib.suppress(Exception):  # one that does not compile fails in _render
+        _compile(args[1] or DEFAULT_TEMPLATE)
+    start = time.monotonic()
+    prompt = _render(*args)
+    return prompt, time.monotonic() - start
 
 
 def _limit_error(what: str, timeout_s: float, max_chars: int) -> TemplateError:
