@@ -32,6 +32,13 @@ least ``--min-round-s`` (2 s; 10 s of streaming per cell over 5 rounds). Only on
 at a time: in each round every system is started, warmed up, measured at each client count
 and stopped, in an order that rotates round by round, so noise falls on all of them.
 
+Then, per model, **one client's TTFT, paired**: quantroute, llama-server and the bare gateway
+up at once, one client's requests alternating between them request by request (who goes
+first rotates round by round), ``--paired-rounds`` (8) rounds of ``--paired-requests`` (5)
+requests each of ``--paired-max-tokens`` (8): the machine's drift, which moves the rounds
+above by 10-20 % between systems minutes apart, falls on all three alike. Reported: the
+median over rounds of each round's median TTFT ratio.
+
 Reported per cell: aggregate tok/s (tokens / wall), median TTFT (sent to the first text
 chunk), p99 inter-token latency (gaps between text chunks, pooled), and CPU time per token of
 the system's whole process tree (psutil; quantroute's gateway and worker; the ceiling's
@@ -58,6 +65,7 @@ import datetime as dt
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import platform
 import signal
@@ -65,7 +73,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -320,6 +328,71 @@ async def run_system(
     return rounds
 
 
+PAIRED = (QUANTROUTE, LLAMA_SERVER, BARE)  # the systems one client's TTFT is compared across
+
+
+async def paired_ttft(
+    systems: list[System], work: Workload, rounds: int, per_round: int, start_timeout_s: float
+) -> dict[str, list[float]]:
+    """One client's time to first token with ``systems`` up at once and its requests
+    alternating between them (A, B, C, A, B, C, ...; who goes first rotates round by round),
+    so that what the machine does meanwhile falls on all of them alike, where the rounds
+    above measure one system at a time, minutes apart. Each system's median TTFT (s) per
+    round."""
+    started: list[System] = []
+    medians: dict[str, list[float]] = {s.name: [] for s in systems}
+    try:
+        for system in systems:
+            await asyncio.to_thread(system.start, start_timeout_s)
+            started.append(system)
+            await system.open()
+        for system in systems:
+            await settle(system)
+            await system.stream(work)  # warm-up, not recorded
+        for index in range(rounds):
+            shift = index % len(systems)
+            order = systems[shift:] + systems[:shift]
+            seen: dict[str, list[float]] = {s.name: [] for s in systems}
+            for _ in range(per_round):
+                for system in order:
+                    ttft = (await system.stream(work)).ttft_s
+                    if ttft is not None:
+                        seen[system.name].append(ttft)
+            for name, values in seen.items():  # rounds stay aligned: NaN for none
+                medians[name].append(statistics.median(values) if values else math.nan)
+    finally:
+        for system in reversed(started):
+            await system.close()
+            await asyncio.to_thread(system.stop)
+    return medians
+
+
+def paired_ratio(medians: dict[str, list[float]], system: str, peer: str) -> float | None:
+    """The median, over the rounds of :func:`paired_ttft`, of ``system``'s median TTFT over
+    ``peer``'s in the same round."""
+    if system not in medians or peer not in medians:
+        return None
+    pairs = [a / b for a, b in zip(medians[system], medians[peer], strict=True) if b > 0 and a == a]
+    return statistics.median(pairs) if pairs else None
+
+
+def paired_lines(
+    model: str, medians: dict[str, list[float]], args: argparse.Namespace
+) -> list[str]:
+    if not medians:
+        return []
+    rounds = f"{args.paired_rounds} rounds of {args.paired_requests} requests each"
+    parts = []
+    for name in (QUANTROUTE, BARE):
+        got = paired_ratio(medians, name, LLAMA_SERVER)
+        if got is not None:
+            parts.append(f"{name} / {LLAMA_SERVER} {got:.2f}x")
+    return [
+        f"{model}, 1 client, paired (systems up at once, requests alternating, {rounds}, "
+        f"max_tokens {args.paired_max_tokens}): median TTFT " + ", ".join(parts)
+    ]
+
+
 def eos_id(model_path: Path) -> int:
     from llama_cpp import Llama
 
@@ -342,7 +415,9 @@ def make_systems(
     return [made[name] for name in args.systems]
 
 
-async def run_model(args: argparse.Namespace, model: str, repo: Path) -> tuple[list[Round], str]:
+async def run_model(
+    args: argparse.Namespace, model: str, repo: Path
+) -> tuple[list[Round], str, dict[str, list[float]]]:
     path = model_file(repo, model, args.branch)
     model_id = f"{model}:{args.branch}"
     work = Workload(model_id, args.prompt, args.max_tokens, eos_id(path), args.prompt_cache)
@@ -354,7 +429,15 @@ async def run_model(args: argparse.Namespace, model: str, repo: Path) -> tuple[l
         shift = index % len(systems)  # who goes first rotates, round by round
         for system in systems[shift:] + systems[:shift]:
             rounds += await run_system(system, work, args, model, index)
-    return rounds, str(path)
+    paired: dict[str, list[float]] = {}
+    pair = [s for s in systems if s.name in PAIRED]
+    if args.paired_rounds and len(pair) > 1 and any(s.name == LLAMA_SERVER for s in pair):
+        short = replace(work, max_tokens=args.paired_max_tokens)
+        log.info("%s: paired one-client TTFT of %s", model_id, [s.name for s in pair])
+        paired = await paired_ttft(
+            pair, short, args.paired_rounds, args.paired_requests, args.start_timeout_s
+        )
+    return rounds, str(path), paired
 
 
 def reference_text(rounds: list[Round]) -> str | None:
@@ -527,6 +610,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--prompt-cache", action="store_true", help="prompt caching on in all (off by default)"
     )
+    p.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=8,
+        help="rounds of the paired one-client TTFT (quantroute, llama-server and the bare "
+        "gateway up at once, requests alternating); 0: none",
+    )
+    p.add_argument("--paired-requests", type=int, default=5, help="per system and paired round")
+    p.add_argument("--paired-max-tokens", type=int, default=8)
     p.add_argument("--start-timeout-s", type=float, default=180.0)
     p.add_argument("--out", type=Path, help="JSON file (default benchmarks/results/...)")
     p.add_argument("--chart", type=Path, default=DEFAULT_CHART)
@@ -590,10 +682,13 @@ def main(argv: list[str] | None = None) -> int:
     host = machine()
     rounds: list[Round] = []
     files: dict[str, str] = {}
+    paired: dict[str, dict[str, list[float]]] = {}
     try:
         for model in args.models:
             # uvloop, as uvicorn serves with: the client's own CPU is shared with the servers
-            got, files[model] = uvloop.run(run_model(args, model, model_repo(model, args.repo)))
+            got, files[model], paired[model] = uvloop.run(
+                run_model(args, model, model_repo(model, args.repo))
+            )
             rounds += got
     except KeyboardInterrupt:
         log.warning("interrupted; the servers are stopped")
@@ -619,7 +714,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{where}; {settings}")
     for model in args.models:
         rows = table_rows(cells, model, args)
-        print(f"\n{model}\n{plain(rows)}\n" + "\n".join(ratio_lines(cells, model, args.clients)))
+        lines = ratio_lines(cells, model, args.clients) + paired_lines(model, paired[model], args)
+        print(f"\n{model}\n{plain(rows)}\n" + "\n".join(lines))
         if args.markdown:
             print(f"\n{markdown(rows)}\n")
         goals += goal_lines(cells, model, args.clients)
@@ -642,6 +738,7 @@ def main(argv: list[str] | None = None) -> int:
         "cells": [asdict(c) for c in cells.values()],
         "ratios": {m: {n: ratios(cells, m, n) for n in args.clients} for m in args.models},
         "goals": dict(goals),
+        "paired_ttft_s": paired,  # per model and system: the median TTFT of each paired round
         "failures": failures,
         "rounds": [r.record() for r in rounds],
     }

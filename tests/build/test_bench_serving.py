@@ -128,3 +128,47 @@ def test_the_bare_gateway_streams_the_ceilings_text(tmp_path: Path) -> None:
     assert got.error is None and got.finish_reason == "length"
     assert got.tokens == 8 and got.count_error(8) is None
     assert "".join(got.text) == "".join(want.text) != ""
+
+
+class _Timed:
+    """A system whose first token takes ``ttft_s``; it records the order it was asked in."""
+
+    def __init__(self, name: str, ttft_s: float, calls: list[str]):
+        self.name, self.retries, self.ttft_s, self.calls = name, 0, ttft_s, calls
+        self.up = False
+
+    def start(self, timeout_s: float) -> None:
+        self.up = True
+
+    def stop(self) -> None:
+        self.up = False
+
+    def cpu_s(self) -> float:
+        return 0.0
+
+    async def open(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def stream(self, work: Workload) -> Stream:
+        assert self.up
+        self.calls.append(self.name)
+        s = Stream(sent=0.0, usage_tokens=2, finish_reason="length")
+        s.arrivals, s.text = [self.ttft_s, self.ttft_s + 0.01], ["ab", ""]
+        return s
+
+
+def test_the_paired_ttft_alternates_the_systems_request_by_request() -> None:
+    calls: list[str] = []
+    systems = [_Timed(QUANTROUTE, 0.012, calls), _Timed(LLAMA_SERVER, 0.010, calls)]
+    work = Workload("m", "p", 8, 2, False)
+    medians = asyncio.run(bench.paired_ttft(systems, work, 2, 3, 1.0))  # type: ignore[arg-type]
+    warm = [QUANTROUTE, LLAMA_SERVER]
+    first, second = [QUANTROUTE, LLAMA_SERVER] * 3, [LLAMA_SERVER, QUANTROUTE] * 3
+    assert calls == warm + first + second  # who goes first rotates round by round
+    assert not any(s.up for s in systems)  # every system stopped
+    assert medians[QUANTROUTE] == pytest.approx([0.012, 0.012])
+    assert bench.paired_ratio(medians, QUANTROUTE, LLAMA_SERVER) == pytest.approx(1.2)
+    assert bench.paired_ratio(medians, "bare-gateway", LLAMA_SERVER) is None
