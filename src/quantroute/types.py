@@ -62,6 +62,17 @@ _SPECS: dict[Precision, PrecisionSpec] = {
 }
 
 
+def versioned_name(model: str, version: str | None) -> str:
+    """``model@version``, the route a model's version is served as (``model`` with none)."""
+    return model if version is None else f"{model}@{version}"
+
+
+def split_version(name: str) -> tuple[str, str | None]:
+    """``model@version`` to ``(model, version)``; a name without a version to ``(name, None)``."""
+    model, _, version = name.partition("@")
+    return model, version or None
+
+
 @dataclass(frozen=True, slots=True)
 class BranchId:
     """``model:branch``, the name a client may pin (``tiny-llama:q4_k_m``)."""

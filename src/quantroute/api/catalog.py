@@ -28,6 +28,7 @@ from quantroute.registry.signing import TrustPolicy
 from quantroute.routing.table import Branch, ModelRoute
 from quantroute.routing.versions import Rule, VersionSplit
 from quantroute.telemetry import plan_cpu_affinity
+from quantroute.types import versioned_name
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class Catalog:
         routes, fingerprints, fresh = [], {}, []
         versioned = bool(manifest.versions)
         for version, artifacts in zip(manifest.version_names(), entry.versions, strict=True):
-            name = f"{manifest.model}@{version}" if versioned else manifest.model
+            name = versioned_name(manifest.model, version if versioned else None)
             reference, _ = manifest.version_spec(version)
             profiles, warnings = load_profiles(entry.directory, artifacts)
             stale = (

@@ -67,6 +67,7 @@ from quantroute.telemetry.selection import (
     provider_from_settings,
 )
 from quantroute.telemetry.stats import DeviceKind
+from quantroute.types import split_version
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +352,7 @@ class Gateway:
         version = run.branch.version
         if version is not None:  # answers by version: /admin/status and metrics
             self.answered[run.branch.model] += 1
-            self.observer.version_answered(run.branch.model.partition("@")[0], version)
+            self.observer.version_answered(split_version(run.branch.model)[0], version)
         first = run.job.requests[0]
         if first.prompt_ids is None:  # a replay re-tokenizes the text: token prompts have none
             self.drift.offer(

@@ -34,7 +34,7 @@ from quantroute.errors import ArtifactIntegrityError, ManifestError
 from quantroute.registry.digests import Digests
 from quantroute.registry.digests import sha256_file as sha256_file  # its old home
 from quantroute.registry.gguf_check import check_gguf
-from quantroute.types import Precision
+from quantroute.types import Precision, versioned_name
 
 MANIFEST_NAME = "quantroute.yaml"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -247,7 +247,7 @@ class BranchArtifact:
     @property
     def route(self) -> str:
         """The route this branch belongs to: ``model`` or ``model@version``."""
-        return self.model if self.version is None else f"{self.model}@{self.version}"
+        return versioned_name(self.model, self.version)
 
 
 def load_manifest(model_dir: Path) -> Manifest:
@@ -295,7 +295,7 @@ def check_artifacts(
 
     reference, branches = manifest.version_spec(version)
     tag = None if not manifest.versions else (version or manifest.version)
-    label = manifest.model if tag is None else f"{manifest.model}@{tag}"
+    label = versioned_name(manifest.model, tag)
     artifacts = []
     headers: list[int] = []  # indices of the artifacts whose headers are to be checked
     for name, spec in branches.items():

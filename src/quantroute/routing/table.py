@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from quantroute.errors import NotFoundError
 from quantroute.routing.versions import Audience, VersionSplit
-from quantroute.types import Precision
+from quantroute.types import Precision, split_version
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -38,7 +38,7 @@ class Branch:
     @property
     def version(self) -> str | None:
         """The model version this branch belongs to (``m@v2`` → ``v2``), if any."""
-        return self.model.partition("@")[2] or None
+        return split_version(self.model)[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +52,11 @@ class ModelRoute:
     @property
     def model(self) -> str:
         """The model a client names: ``m`` for the route ``m@v2``."""
-        return self.name.partition("@")[0]
+        return split_version(self.name)[0]
 
     @property
     def version(self) -> str | None:
-        return self.name.partition("@")[2] or None
+        return split_version(self.name)[1]
 
     def branch(self, name: str) -> Branch | None:
         return next((b for b in self.branches if b.name == name), None)
@@ -116,7 +116,7 @@ def lookup(
         name = split.route_name(split.pick(who or Audience()))
     route = table.models.get(name)
     if route is None:
-        base, _, version = name.partition("@")
+        base, version = split_version(name)
         split = table.splits.get(base)
         if split is not None and version:
             raise NotFoundError(

@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from quantroute.types import versioned_name
+
 USER_HEADER = "x-quantroute-user"
 VERSION_HEADER = "x-quantroute-version"
 BUCKETS = 10_000
@@ -90,4 +92,4 @@ class VersionSplit:
         return self.default
 
     def route_name(self, version: str) -> str:
-        return f"{self.model}@{version}"
+        return versioned_name(self.model, version)
