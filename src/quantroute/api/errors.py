@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -67,11 +69,48 @@ def validation_error(exc: RequestValidationError) -> InvalidRequestError:
     return InvalidRequestError(f"{param}: {message}" if param else message, param=param)
 
 
+class _Throttle:
+    """At most one line per key and ``interval_s``: a 503 is the server shedding load, and
+    one line per shed request (the access log has that already) would be written just
+    when the server has least room for it."""
+
+    def __init__(
+        self, interval_s: float = 1.0, keys: int = 256, clock: Callable[[], float] = time.monotonic
+    ):
+        self._interval_s = interval_s
+        self._keys = keys
+        self._clock = clock
+        self._last: dict[tuple[str, ...], tuple[float, int]] = {}  # (logged at, held back)
+
+    def admit(self, key: tuple[str, ...]) -> int | None:
+        """``None``: hold this line back; else how many lines like it were held back since
+        the last one written."""
+        now = self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last[0] < self._interval_s:
+            self._last[key] = (last[0], last[1] + 1)
+            return None
+        if last is None and len(self._last) >= self._keys:
+            self._last.clear()
+        self._last[key] = (now, 0)
+        return 0 if last is None else last[1]
+
+
+_SHED_LOG = _Throttle()
+
+
 def render_error(exc: Exception, method: str, path: str) -> JSONResponse | None:
     """The answer to an error a request raised on purpose (ours, a schema's, Starlette's);
-    ``None`` for anything else (a bug: :class:`InternalErrorMiddleware` answers those)."""
+    ``None`` for anything else (a bug: :class:`InternalErrorMiddleware` answers those).
+    A 5xx is logged at ERROR, but a 503 (shedding load, or a deadline or every branch
+    out of reach) at WARNING, one line a second per kind at most."""
     if isinstance(exc, QuantrouteError):
-        if exc.status >= 500:
+        if exc.status == 503:
+            held = _SHED_LOG.admit((method, path, exc.error_code or type(exc).__name__))
+            if held is not None:
+                more = f" ({held} more like it since the last such line)" if held else ""
+                log.warning("%s %s: %s%s", method, path, exc.message, more)
+        elif exc.status >= 500:
             log.error("%s %s: %s", method, path, exc.message)
         return error_response(exc)
     if isinstance(exc, RequestValidationError):
