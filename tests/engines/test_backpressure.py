@@ -31,7 +31,9 @@ def _pinned_job(engine: FakeEngine, max_tokens: int, *, stream: bool) -> tuple[B
         model="tiny-llama:f16", prompt="x", max_tokens=max_tokens, stream=stream
     )
     decision = pinned("tiny-llama", branch.id, ready=True, retry_after_s=1.0)
-    return branch, build_job(req, decision, (branch,), None, max_tokens=max_tokens, deadline=None)
+    return branch, build_job(
+        req, decision, (branch,), None, max_tokens=max_tokens, deadline=None, grammar=None
+    )
 
 
 @pytest.mark.slow

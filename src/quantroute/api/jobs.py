@@ -297,7 +297,7 @@ def build_job(
     *,
     max_tokens: int,
     deadline: float | None,
-    grammar: str | None = None,
+    grammar: str | None,
     tenant: Tenant = OPEN,
     ticket: Ticket | None = None,
     trace: RequestTrace = NULL_TRACE,
