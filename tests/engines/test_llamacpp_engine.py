@@ -186,6 +186,23 @@ async def test_worker_killed_mid_stream_fails_cleanly_and_restarts(engine: Llama
     assert fin.completion_tokens == 4
 
 
+async def test_a_request_that_saw_its_worker_die_finds_the_branch_not_ready(
+    engine: LlamaCppEngine,
+) -> None:
+    """Whichever notices first, the reader of the worker's output or the supervisor's
+    wait for its exit, the branch is not ready once a request has failed for it."""
+    on_exit = engine._supervisor._on_exit
+    loop = asyncio.get_running_loop()
+    engine._supervisor._on_exit = lambda code: loop.call_later(0.5, on_exit, code)  # type: ignore[method-assign]
+    pid = engine.pid
+    assert pid is not None
+    with pytest.raises(EngineCrashedError):
+        async for ev in engine.generate(_req(max_tokens=450, ignore_eos=True)):
+            if isinstance(ev, TokenEvent):
+                os.kill(pid, signal.SIGKILL)
+    assert not engine.ready
+
+
 async def test_a_broken_model_file_never_raises_and_fails_its_branch(tmp_path) -> None:  # type: ignore[no-untyped-def]
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)

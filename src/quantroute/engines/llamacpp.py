@@ -342,6 +342,9 @@ class LlamaCppEngine:
         except TimeoutError:
             cause = "it closed its output"
         if self._supervisor.process is proc:
+            # Not ready from the moment its requests learn it died, not from when the
+            # supervisor's own wait for the exit happens to run.
+            self._ready = False
             self._fail_all(
                 EngineCrashedError(f"the worker serving {self.name} stopped unexpectedly: {cause}")
             )
