@@ -7,8 +7,10 @@ branch's circuit breaker; afterwards an error ends the stream. Every way out
 gives the job's admission ticket back and counts the tenant's tokens.
 
 A job routed before a reload's swap may reach a branch after it: a branch the
-new table serves with another worker is run on that worker (its successor);
-one the table no longer has is tried on its old worker while it drains, and
+new table serves with another worker is run on that worker (its successor)
+when that is known to be as faithful as the file the job was routed to; one
+the table no longer has, or whose new file is not, is tried on its old worker
+while it drains, and
 its failure (the worker stopped) moves on like any other, counted by no
 circuit breaker.
 """
@@ -66,7 +68,7 @@ class Runner:
         retired = False  # a branch that failed was one a reload had replaced
         try:
             for routed in job.branches:
-                branch = _successor(gateway, routed)
+                branch = _successor(gateway, routed, pinned=job.decision.pinned)
                 if not gateway.breakers.acquire(branch.id):
                     job.trace.skipped(branch, "breaker_open")
                     continue  # open: its own rejection, never counted as a failure
@@ -187,11 +189,39 @@ class Runner:
         )
 
 
-def _successor(gateway: Gateway, branch: Branch) -> Branch:
-    """The branch the table serves ``branch``'s id with now (``branch`` itself if it no
-    longer has that id): a job routed before a reload runs on the new worker."""
+def _successor(gateway: Gateway, branch: Branch, *, pinned: bool) -> Branch:
+    """The branch the table serves ``branch``'s id with now, where that keeps what the
+    job was routed for: a job routed before a reload runs on the new worker. ``branch``
+    itself when the table no longer has the id, or when the id now names a file that is
+    not known to be as faithful (:func:`as_faithful`): the request's quality bound was
+    checked against the old file's profile, so it runs on the old worker while that
+    drains, or fails over to the decision's next branch. A pinned job (the client named
+    the branch) takes whatever the id names now."""
     route = gateway.routes.current.models.get(branch.model)
-    return (route.branch(branch.name) if route is not None else None) or branch
+    now = route.branch(branch.name) if route is not None else None
+    if now is None or now is branch:
+        return branch
+    if pinned or as_faithful(branch, now, reference=route.reference if route else ""):
+        return now
+    return branch
+
+
+def as_faithful(old: Branch, new: Branch, *, reference: str) -> bool:
+    """Whether ``new`` meets every quality bound ``old`` met (``reference``: the name of
+    the reference branch of ``new``'s route): the same file; the reference (it meets any
+    bound); an ``old`` that was neither profiled nor the reference (only an unbounded
+    request could be routed to it); or a profile no worse in mean KLD and top-1."""
+    if new.artifact.sha256 == old.artifact.sha256 or new.name == reference:
+        return True
+    if old.artifact.is_reference:
+        return False  # a bound only the reference met (max_kld 0) may not hold for new
+    if old.profile is None:
+        return True
+    return (
+        new.profile is not None
+        and new.profile.mean_kld <= old.profile.mean_kld
+        and new.profile.top1 >= old.profile.top1
+    )
 
 
 def _committed(events: list[EngineEvent]) -> bool:
