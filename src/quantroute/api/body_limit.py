@@ -58,7 +58,7 @@ class BodyLimitMiddleware:
 
     async def _reject(self, send: Send) -> None:
         err = PayloadTooLargeError(self._message())
-        body = json.dumps(err.to_openai()).encode()
+        body = json.dumps(err.to_openai(), ensure_ascii=False, separators=(",", ":")).encode()
         headers: list[Any] = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
