@@ -206,11 +206,15 @@ class BranchStates:
         changed = False
         # steps_now and speeds.get inlined for their common case: two dict reads, no calls
         for k, b, engine, branch_id in m.members:
-            hit = stepped_cache.get(branch_id)
-            if hit is not None and hit[0] is entries.get(branch_id) and hit[2] <= now < hit[3]:
-                rate = hit[1]
+            entry = entries.get(branch_id)
+            if entry is None:
+                rate = 0.0  # never routed to
             else:
-                rate = stepped(branch_id)
+                hit = stepped_cache.get(branch_id)
+                if hit is not None and hit[0] is entry and hit[2] <= now < hit[3]:
+                    rate = hit[1]
+                else:
+                    rate = stepped(branch_id)
             speed = speeds.get(branch_id)
             if speed is not None and now - speed.at > max_age_s:
                 speed = None
