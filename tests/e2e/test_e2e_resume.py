@@ -140,7 +140,7 @@ def test_a_stream_that_was_not_resumable_is_cancelled_when_dropped(base: str) ->
         _check_ids(before + after, job, 0)
 
 
-def test_other_tenants_unknown_and_expired_streams_404(base: str) -> None:
+def test_resumes_of_other_tenants_unknown_streams_or_unseen_events_are_refused(base: str) -> None:
     with httpx.Client(base_url=base, timeout=30) as http:
         body = BODY | {"max_tokens": 8}
         r, events = _stream(http, "POST", "/v1/completions", json=body, headers=ACME)
@@ -154,6 +154,19 @@ def test_other_tenants_unknown_and_expired_streams_404(base: str) -> None:
         assert http.get(f"/v1/streams/{job}").status_code == 401  # no key at all
         r = http.get(f"/v1/streams/{job}", headers=ACME | {"last-event-id": "someone-else/3"})
         assert r.status_code == 400
+        # past its last event: no client saw that id, and an empty 200 would read as a cut
+        # stream (an EventSource would reconnect with it for ever)
+        last = events[-1].seq
+        for params, headers, param in (
+            ({}, {"last-event-id": f"{job}/{last + 1}"}, "Last-Event-ID"),
+            ({"starting_after": last + 100}, {}, "starting_after"),
+        ):
+            r = http.get(f"/v1/streams/{job}", params=params, headers=ACME | headers)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        r, rest = _stream(
+            http, "GET", f"/v1/streams/{job}", headers=ACME | {"last-event-id": f"{job}/{last}"}
+        )
+        assert r.status_code == 200 and rest == []  # after the last event: nothing more
         r, again = _stream(http, "GET", f"/v1/streams/{job}", headers=ACME)
         assert [e.data for e in again] == [e.data for e in events]
         time.sleep(RETENTION_S + 0.5)

@@ -138,7 +138,13 @@ async def resume_stream(
     the events kept, then the live rest; 404 once it expired, or for another tenant."""
     key = stream_id.removeprefix("chatcmpl-").removeprefix("cmpl-")  # a chunk's id works too
     after = _resume_after(key, last_event_id, starting_after)
-    return _sse(request, _streams(request).get(key, tenant.name, after), after)
+    stream = _streams(request).get(key, tenant.name, after)
+    if after is not None and after >= stream.next_seq:  # no client can have seen it
+        raise InvalidRequestError(
+            "that event id is past this stream's last event",
+            param="Last-Event-ID" if last_event_id is not None else "starting_after",
+        )
+    return _sse(request, stream, after)
 
 
 async def _collect(run: Run, renderer: ResponseRenderer) -> None:
