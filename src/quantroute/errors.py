@@ -67,6 +67,16 @@ class InvalidRequestError(QuantrouteError):
     type = "invalid_request_error"
 
 
+class FieldError(ValueError):
+    """A schema check across fields that blames one of them: raised in a pydantic model
+    validator, it is the 400 whose ``param`` names ``field`` (nested under the model's
+    own place), where a plain ``ValueError`` there would name no field at all."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
 

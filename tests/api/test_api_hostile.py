@@ -308,7 +308,7 @@ async def test_content_length_past_any_int_is_413(client: httpx.AsyncClient) -> 
         (
             "/v1/chat/completions",
             {"model": "tiny-llama", "messages": CHAT["messages"], "max_completion_tokens": 10**400},
-            "max_tokens",
+            "max_completion_tokens",  # the field the client gave
         ),
         ("/v1/chat/completions", CHAT | {"n": 10**400}, "n"),
         ("/v1/chat/completions", CHAT | {"stop": ["a"] * 5}, "stop"),
@@ -324,6 +324,51 @@ async def test_limits_from_settings_are_400_naming_the_field(
     r = await post_json(client, path, body)
     check_answer(r)
     assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+TOOL = {"type": "function", "function": {"name": "f"}}
+SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "date"}}}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", COMPLETION | {"echo": True}, "echo"),
+        ("/v1/completions", COMPLETION | {"prompt": []}, "prompt"),
+        (
+            "/v1/completions",
+            COMPLETION | {"stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+        ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, "top_logprobs"),
+        (
+            "/v1/chat/completions",
+            CHAT | {"max_tokens": 4, "max_completion_tokens": 4},
+            "max_completion_tokens",
+        ),
+        ("/v1/chat/completions", CHAT | {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", CHAT | {"tools": [TOOL, TOOL]}, "tools"),
+        (
+            "/v1/chat/completions",
+            CHAT | {"messages": [{"role": "tool", "content": "x"}]},
+            "messages.0.tool_call_id",
+        ),
+        (
+            "/v1/chat/completions",
+            CHAT | {"response_format": SCHEMA_FORMAT},
+            "response_format.json_schema",
+        ),
+        ("/v1/chat/completions", CHAT | {"user": "u" * 257}, "user"),
+    ],
+)
+async def test_a_check_across_fields_names_the_field_it_blames(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], param: str
+) -> None:
+    r = await post_json(client, path, body)
+    check_answer(r)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param, error
+    assert error["message"].startswith(f"{param}: ") and "Value should" not in error["message"]
 
 
 async def test_a_deadline_too_short_to_meet_is_not_the_branchs_failure() -> None:

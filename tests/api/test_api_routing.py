@@ -94,6 +94,12 @@ async def test_quality_header_and_explain(client: tuple[httpx.AsyncClient, Any])
     assert not q4["feasible"]
     assert any(f["name"] == "quality" and not f["passed"] for f in q4["filters"])
     assert by_branch["tiny-llama:q8_0"]["regime"] == "tight"
+    # each branch's place in the decision: the primary 0, its fallbacks 1.., the rest none
+    places = {b: i for i, b in enumerate(explained["decision"]["branches"])}
+    assert len(places) >= 2, explained["decision"]
+    assert {b["branch"]: b["position"] for b in explained["branches"]} == {
+        b: places.get(b) for b in by_branch
+    }
 
 
 @pytest.mark.parametrize(

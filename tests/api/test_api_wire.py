@@ -237,7 +237,7 @@ BAD_REQUESTS = [
         "/v1/chat/completions",
         {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
         400,
-        None,
+        "top_logprobs",  # the field the check across fields blames
         None,
     ),
     (

@@ -21,7 +21,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from quantroute.api.structured import FORMAT_TAGS
 from quantroute.errors import (
+    FieldError,
     InvalidRequestError,
     NotFoundError,
     PayloadTooLargeError,
@@ -40,6 +42,7 @@ def error_response(exc: QuantrouteError) -> JSONResponse:
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
 # What a location part may be to be named: a field name or a token id (logit_bias).
 # Anything else is a key the client chose (or pydantic's tag for a union member,
 # "list[TextPart]", "function-after[...]"), and the path stops before it.
@@ -51,11 +54,18 @@ def validation_error(exc: RequestValidationError) -> InvalidRequestError:
     first = exc.errors()[0]
     raw = tuple(first.get("loc", ()))
     loc: list[str] = []
-    for part in raw[1:] if raw[:1] == ("body",) else raw:
+    parts = raw[1:] if raw[:1] == ("body",) else raw
+    for i, part in enumerate(parts):
         text = str(part)
+        if i and parts[i - 1] == "response_format" and text in FORMAT_TAGS:
+            continue  # pydantic names the union's member by its tag: not a field
         if text in _TYPE_TAGS or not _NAMEABLE.fullmatch(text):
             break
         loc.append(text)
+    else:  # a check across a model's fields that blames one of them (a FieldError)
+        blamed = (first.get("ctx") or {}).get("error")
+        if isinstance(blamed, FieldError):
+            loc.append(blamed.field)
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return InvalidRequestError("The request body is not valid JSON.")

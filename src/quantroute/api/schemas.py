@@ -30,7 +30,7 @@ from pydantic import (
 from quantroute.api.structured import ResponseFormat
 from quantroute.api.tools import STRICT, NamedToolChoice, Tool, ToolCallIn
 from quantroute.config import LimitSettings
-from quantroute.errors import InvalidRequestError
+from quantroute.errors import FieldError, InvalidRequestError
 
 __all__ = [
     "MAX_JSON_DEPTH",
@@ -59,6 +59,7 @@ def _encodable(value: str) -> str:
 
 Str = Annotated[str, AfterValidator(_encodable)]
 Text = Annotated[str, Field(max_length=1 << 22), AfterValidator(_encodable)]
+Name = Annotated[str, Field(max_length=256), AfterValidator(_encodable)]
 
 
 class StreamOptions(BaseModel):
@@ -79,7 +80,7 @@ class _GenerationBase(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: Str | None = Field(None, max_length=256)
+    user: Name | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
         None, max_length=300
     )
@@ -101,7 +102,7 @@ class _GenerationBase(BaseModel):
     @model_validator(mode="after")
     def _supported(self) -> _GenerationBase:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
+            raise FieldError("stream_options", "only allowed with stream: true")
         return self
 
     @field_validator("logit_bias", mode="after")
@@ -146,11 +147,13 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # before content: its check reads them
     tool_calls: Annotated[list[ToolCallIn], Field(min_length=1, max_length=128)] | None = None
-    tool_call_id: Str | None = Field(None, min_length=1, max_length=256)
+    tool_call_id: (
+        Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_encodable)] | None
+    ) = None
     content: Text | Annotated[list[TextPart], Field(min_length=1)] | None = Field(
         None, validate_default=True
     )
-    name: Str | None = Field(None, max_length=64)
+    name: Annotated[str, Field(max_length=64), AfterValidator(_encodable)] | None = None
 
     @field_validator("content", mode="after")
     @classmethod
@@ -166,9 +169,9 @@ class ChatMessage(BaseModel):
     @model_validator(mode="after")
     def _shape(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
+            raise FieldError("tool_calls", "only assistant messages carry them")
         if (self.role == "tool") != (self.tool_call_id is not None):
-            raise ValueError("a tool message needs tool_call_id (and only a tool message)")
+            raise FieldError("tool_call_id", "a tool message needs one, and only a tool message")
         return self
 
     @property
@@ -204,17 +207,17 @@ class ChatCompletionRequest(_GenerationBase):
     @model_validator(mode="after")
     def _chat(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs: true")
+            raise FieldError("top_logprobs", "needs logprobs: true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise ValueError("give max_tokens or max_completion_tokens, not both")
+            raise FieldError("max_completion_tokens", "give it or max_tokens, not both")
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) != len(names):
-            raise ValueError("tools: two functions have the same name")
+            raise FieldError("tools", "two functions have the same name")
         choice = self.tool_choice
         if choice not in (None, "none", "auto") and not self.tools:
-            raise ValueError("tool_choice requires tools")
+            raise FieldError("tool_choice", "needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError("tool_choice names a function that is not in tools")
+            raise FieldError("tool_choice", "names a function that is not in tools")
         return self
 
     @property
@@ -246,9 +249,9 @@ class CompletionRequest(_GenerationBase):
     @model_validator(mode="after")
     def _completion(self) -> CompletionRequest:
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise FieldError("echo", "not supported")
         if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must not be an empty list")
+            raise FieldError("prompt", "must not be an empty list")
         return self
 
     @property
@@ -274,9 +277,9 @@ def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: LimitSe
     """The bounds that come from settings; each failure names its field."""
     max_tokens = req.limit
     if max_tokens is not None and max_tokens > limits.max_tokens:
-        raise InvalidRequestError(
-            f"max_tokens must be at most {limits.max_tokens}", param="max_tokens"
-        )
+        given = getattr(req, "max_completion_tokens", None) is not None
+        param = "max_completion_tokens" if given else "max_tokens"
+        raise InvalidRequestError(f"{param} must be at most {limits.max_tokens}", param=param)
     if req.min_tokens > (max_tokens or limits.max_tokens):
         raise InvalidRequestError("min_tokens must be at most max_tokens", param="min_tokens")
     if req.n > limits.max_n:

@@ -38,7 +38,7 @@ from quantroute.errors import (
 )
 from quantroute.observability import RequestTrace
 from quantroute.resilience.tenants import OPEN, Tenant
-from quantroute.routing.policy import Decision, choose, explain, pinned
+from quantroute.routing.policy import Decision, Explanation, choose, explain, pinned
 from quantroute.routing.records import RequestShape
 from quantroute.routing.requirement import (
     DEADLINE_HEADER,
@@ -131,6 +131,7 @@ class Service:
         body["requirement"] = {f: getattr(requirement, f) for f in fields}
         body["request"] = {"prompt_tokens_max": shape.prompt_tokens, "max_tokens": shape.max_tokens}
         settings = self._settings.routing
+        explained: tuple[Explanation, ...] = ()  # the decision's own: with each place in it
         try:
             decision = choose(route.name, requirement, shape, states, settings)
             body["decision"] = {
@@ -138,13 +139,16 @@ class Service:
                 "reason": decision.reason,
                 "wait_s": decision.wait_s,
             }
+            explained = decision.explanations
         except QuantrouteError as exc:
             body["decision"] = {
                 "branches": [],
                 "reason": "infeasible",
                 "error": exc.to_openai()["error"],
             }
-        body["branches"] = [e.to_dict() for e in explain(requirement, shape, states, settings)]
+        if not explained:  # nothing chosen (a wait, a 503): the filters and scores alone
+            explained = explain(requirement, shape, states, settings)
+        body["branches"] = [e.to_dict() for e in explained]
         return body
 
     async def decide(

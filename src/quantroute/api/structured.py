@@ -9,7 +9,7 @@ wins over ``response_format``.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -61,6 +61,11 @@ class JsonSchemaFormat(BaseModel):
 ResponseFormat = Annotated[
     TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
 ]
+# Each member's tag ("text", ...): pydantic's error paths name the member by it.
+FORMAT_TAGS = frozenset(
+    get_args(m.model_fields["type"].annotation)[0]
+    for m in (TextFormat, JsonObjectFormat, JsonSchemaFormat)
+)
 
 
 def grammar_of(
