@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -128,3 +129,36 @@ async def test_promtool_accepts_the_exposition() -> None:
     )
     # promtool prints lint findings (naming, units, help) and exits 1 on any
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+async def test_a_stream_the_client_leaves_counts_the_tokens_it_used() -> None:
+    """A client that hangs up mid-stream (a real socket): its request is a 499, and its
+    prompt and the tokens it was sent are counted, as its first token and its cache hits
+    already were; before, only a choice's finish counted tokens, so it counted none."""
+    from qrtest import fake_table, live
+    from quantroute.api.app import create_app
+    from quantroute.config import load_settings
+
+    engine = FakeEngine(text="x" * 400, token_delay_s=0.005)
+    settings = load_settings(telemetry={"devices": "sim:1x24GiB"})
+    app = create_app(settings, fake_table({"f16": engine}))
+    body = {"model": "tiny-llama:f16", "prompt": "def f():", "max_tokens": 300, "stream": True}
+    async with live(app) as port, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            chunks = 0
+            async for line in r.aiter_lines():
+                chunks += line.startswith("data: ")
+                if chunks == 5:
+                    break  # hang up
+        for _ in range(200):
+            s = _samples((await http.get("/metrics")).text)
+            if _value(s, "quantroute_requests_total", status="499") == 1:
+                break
+            await asyncio.sleep(0.02)
+    assert _value(s, "quantroute_requests_total", status="499") == 1
+    prompt = _value(s, "quantroute_prompt_tokens_total", branch="f16")
+    sent = _value(s, "quantroute_completion_tokens_total", branch="f16")
+    assert prompt == len(body["prompt"]) + 1  # the fake engine: a token per character, and BOS
+    assert 5 <= sent < 300, sent  # what it streamed before the hang-up, not max_tokens
+    assert app.state.gateway.limits._usage["anonymous"].token_sum == prompt + sent  # the tenant's

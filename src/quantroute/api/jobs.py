@@ -112,7 +112,9 @@ class Run:
         self._drained = asyncio.Event()  # the reader took events: a full pump may go on
         self._pumps: list[asyncio.Task[None]] = []
         self._finished = 0
-        self.usage_tokens = 0  # prompt + completion tokens of the finished choices
+        self._sent = [0] * len(streams)  # per choice: tokens it sent; -1 once it finished
+        # prompt (once per prompt) and completion tokens; a choice cut short: those it sent
+        self.usage_tokens = 0
         self._failed = False
         self._closed = False
 
@@ -238,15 +240,22 @@ class Run:
         """Count an event of choice ``index`` as it arrives: the trace, usage, the end."""
         if isinstance(event, TokenEvent):
             self.job.trace.token(index)
+            self._sent[index] += 1
             if index == 0:
                 self._tokens.append(event.token_id)
         elif isinstance(event, FinishEvent):
             self.job.trace.choice_finished(index, event)
             self.held = self.held or event.held
             self._finished += 1
-            self.usage_tokens += event.prompt_tokens + event.completion_tokens
+            self._sent[index] = -1
+            self.usage_tokens += self._prompt_share(index, event.prompt_tokens)
+            self.usage_tokens += event.completion_tokens
             if index == 0 and self._on_finished:
                 self._on_finished(self, self._tokens)
+
+    def _prompt_share(self, index: int, prompt_tokens: int) -> int:
+        """The n choices of one prompt share it: it counts once, with the first of them."""
+        return prompt_tokens if index % self.job.n == 0 else 0
 
     async def close(self) -> None:
         for task in self._pumps:
@@ -260,6 +269,11 @@ class Run:
                 await aclose()
         if not self._closed:
             self._closed = True
+            for index, sent in enumerate(self._sent):
+                if sent >= 0:  # cut short: its prompt and what it sent were used all the same
+                    self.job.trace.choice_cut(index, self.prompt_tokens[index], sent)
+                    self.usage_tokens += self._prompt_share(index, self.prompt_tokens[index])
+                    self.usage_tokens += sent
             if self._on_done is not None:
                 ok = False if self._failed else (self._finished == len(self._streams) or None)
                 self._on_done(self, ok)

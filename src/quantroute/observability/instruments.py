@@ -154,7 +154,7 @@ class Instruments:
         )
         self.hot_reloads = Counter(
             "quantroute_hot_reloads",
-            "Route table reloads, by outcome (applied, rejected, failed).",
+            "Reloads that swapped the route table (applied) or kept a model's old version (rejected).",
             ["outcome"],
             registry=r,
         )

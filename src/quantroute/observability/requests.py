@@ -245,6 +245,13 @@ class RequestTrace:
         if self._gen is not None and len(event.worker_ns) >= 3:
             self._decode_span(index, event)
 
+    def choice_cut(self, index: int, prompt_tokens: int, completion_tokens: int) -> None:
+        """Choice ``index`` ended unfinished (the client left, the engine failed): what it
+        used counts all the same, its prompt (once per prompt) and the tokens it sent."""
+        if index % self.n == 0:
+            self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+
     def done(self, ok: bool | None) -> None:
         """The run is over: every choice finished (``True``), the engine failed one
         (``False``), or the client left (``None``)."""
@@ -462,6 +469,9 @@ class NullTrace(RequestTrace):
         pass
 
     def choice_finished(self, index: int, event: FinishLike) -> None:
+        pass
+
+    def choice_cut(self, index: int, prompt_tokens: int, completion_tokens: int) -> None:
         pass
 
     def finish(self, status: int, error: BaseException | None = None) -> None:
