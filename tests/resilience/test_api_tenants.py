@@ -158,3 +158,10 @@ async def test_the_status_page_lists_other_tenants_requests_to_the_admin_only(
         admin = (await c.get("/dashboard/data", headers=ADMIN)).json()
         assert tenant["requests"] == admin["requests"] == 1  # counts, for anyone with a key
         assert tenant["recent"] == [] and len(admin["recent"]) == 1  # requests: the admin's
+        # the page reads the model list with the same key: the admin key reads it too (all
+        # models), and still cannot generate (it is no tenant's)
+        assert (await c.get("/v1/models")).status_code == 401
+        listed = (await c.get("/v1/models", headers=ADMIN)).json()
+        assert "tiny-llama" in [m["id"] for m in listed["data"]]
+        assert (await c.get("/v1/models/tiny-llama:f16", headers=ADMIN)).status_code == 200
+        assert (await c.post("/v1/completions", json=ASK, headers=ADMIN)).status_code == 401

@@ -2,7 +2,8 @@
 
 - ``/v1/*`` completions, chat, models (and explain, ``/metrics`` where the
   settings say): ``Authorization: Bearer <key>`` of a tenant
-  (``auth.tenants_file``); without tenants configured the API is open.
+  (``auth.tenants_file``); without tenants configured the API is open. The admin
+  key reads the model list too (not generate: it is not a tenant's).
 - ``/admin/*``: ``Authorization: Bearer <server.admin_key>``; without a
   configured key they are closed (403), so a fresh install exposes no
   operator action.
@@ -54,6 +55,14 @@ async def require_client(request: Request) -> Tenant:
     if tenant is None:
         raise AuthenticationError("a valid API key is needed (Authorization: Bearer <key>)")
     return tenant
+
+
+async def require_reader(request: Request) -> Tenant:
+    """A dependency for the model list: the tenant of a client key, or, for the admin key,
+    every model (the status page reads it with whichever key it was given)."""
+    if _is_admin(request, bearer_token(request)):
+        return OPEN
+    return await require_client(request)
 
 
 def sees_everyone(request: Request) -> bool:

@@ -17,7 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from quantroute.api.auth import require_admin, require_client, require_key_if, sees_everyone
+from quantroute.api.auth import (
+    require_admin,
+    require_client,
+    require_key_if,
+    require_reader,
+    sees_everyone,
+)
 from quantroute.api.errors import render_error
 from quantroute.api.jobs import Run, Tick
 from quantroute.api.render import ResponseRenderer
@@ -37,6 +43,7 @@ from quantroute.resilience.tenants import Tenant
 
 router = APIRouter()
 Client = Annotated[Tenant, Depends(require_client)]  # the tenant of the request's key
+Reader = Annotated[Tenant, Depends(require_reader)]  # a client's tenant, or the admin: all
 
 
 def _service(request: Request) -> Service:
@@ -216,12 +223,12 @@ async def route_explain(request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/models")
-async def models(request: Request, tenant: Client) -> dict[str, Any]:
+async def models(request: Request, tenant: Reader) -> dict[str, Any]:
     return _service(request).models(tenant)
 
 
 @router.get("/v1/models/{model_id:path}")
-async def model(request: Request, model_id: str, tenant: Client) -> dict[str, Any]:
+async def model(request: Request, model_id: str, tenant: Reader) -> dict[str, Any]:
     """One model or pinned branch, as in ``/v1/models``; 404 when unknown."""
     return _service(request).model(model_id, tenant)
 

@@ -154,7 +154,8 @@ class Instruments:
         )
         self.hot_reloads = Counter(
             "quantroute_hot_reloads",
-            "Reloads that swapped the route table (applied) or kept a model's old version (rejected).",
+            "Reloads that swapped the route table (applied) or kept a model's old version "
+            "(rejected).",
             ["outcome"],
             registry=r,
         )
