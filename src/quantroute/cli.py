@@ -8,9 +8,14 @@ and ``--repo``. ``quantroute serve --help`` lists them all.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
+import json
 import logging
 import sys
+import types
+import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +42,47 @@ def _leaf_fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, An
     return leaves
 
 
+_NULL = object()  # a flag given as "null": the setting unset (a tier without a bound)
+
+
+def _members(annotation: Any) -> tuple[Any, ...]:
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return typing.get_args(annotation) if union else (annotation,)
+
+
+def _flag_type(annotation: Any) -> Callable[[str], Any]:
+    """How a flag's text becomes the setting's input: JSON for a dict or list setting (as
+    its environment variable takes), ``null`` for none where the setting may be unset."""
+    members = _members(annotation)
+    is_json = any(m in (dict, list) or typing.get_origin(m) in (dict, list) for m in members)
+    nullable = type(None) in members
+
+    def convert(text: str) -> Any:
+        if nullable and text == "null":
+            return _NULL
+        if not is_json:
+            return text
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+
+    return convert
+
+
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("settings (also QUANTROUTE_* variables or --config FILE)")
+    defaults = Settings.model_validate({})  # what a fresh server has: no environment, no file
     for path, info in _leaf_fields(Settings):
         flags = ["--" + path.replace(".", "-").replace("_", "-")]
         if path in _SHORT:
             flags.insert(0, _SHORT[path])
-        default = info.get_default(call_default_factory=True)
+        default = functools.reduce(getattr, path.split("."), defaults)
         group.add_argument(
             *flags,
             dest=f"set:{path}",
             default=None,
+            type=_flag_type(info.annotation),
             metavar=path.rsplit(".", 1)[-1].upper(),
             help=f"{info.description or ''} (default: {default})".replace("%", "%%"),
         )
@@ -61,7 +96,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
             *parents, leaf = key[4:].split(".")
             for part in parents:
                 node = node.setdefault(part, {})
-            node[leaf] = value
+            node[leaf] = None if value is _NULL else value
     return tree
 
 

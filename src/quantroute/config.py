@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
@@ -772,6 +773,7 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
 
     if path and not Path(path).is_file():
         raise ConfigError(f"config file not found: {path}")
+    _check_environment(os.environ)
     try:
         return _FileSettings(**overrides)
     except ValidationError as exc:
@@ -779,3 +781,24 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         where = ".".join(str(p) for p in first["loc"])
         message = str(first["msg"]).removeprefix("Value error, ")
         raise ConfigError(f"setting {where}: {message}", param=where) from exc
+
+
+def _check_environment(environ: Mapping[str, str]) -> None:
+    """A ``QUANTROUTE_`` variable that starts like a setting but names none is an error:
+    ``QUANTROUTE_ENGINE_PARALLEL`` (one ``_`` where ``__`` joins the names) or
+    ``QUANTROUTE_REPOO`` would otherwise be ignored without a word. A name inside a
+    section (``QUANTROUTE_ENGINE__BOGUS``) is the settings' own check; one that starts like
+    no setting (the build's ``QUANTROUTE_LLAMA_BACKEND``) is another tool's."""
+    roots = set(Settings.model_fields)
+    for name in sorted(environ):
+        rest = name[len(ENV_PREFIX) :].lower() if name.startswith(ENV_PREFIX) else None
+        if rest is None or rest == "config" or rest.split("__", 1)[0] in roots:
+            continue
+        root = next((r for r in sorted(roots, key=len, reverse=True) if rest.startswith(r)), None)
+        if root is not None:
+            tail = rest[len(root) :].lstrip("_")
+            kind = Settings.model_fields[root].annotation
+            section = isinstance(kind, type) and issubclass(kind, BaseModel)
+            meant = f"{ENV_PREFIX}{root.upper()}__{tail.upper()}"
+            hint = f" (nested names are joined with __: {meant}?)" if section and tail else ""
+            raise ConfigError(f"unknown setting in the environment: {name}{hint}", param=name)

@@ -55,6 +55,43 @@ def test_cli_flags_come_from_the_settings_tree() -> None:
     assert (s.server.port, s.engine.parallel, s.repo) == (9001, 8, Path("/models"))
 
 
+def test_a_dict_or_list_flag_takes_json_and_null_unsets(capsys: pytest.CaptureFixture[str]) -> None:
+    """As their environment variables do: ``--engine-faults '{"f16": ...}'`` was a string
+    pydantic refused ("Input should be a valid dictionary")."""
+    argv = ["serve", "--engine-faults", '{"f16": "oom-at-decode"}', "--telemetry-cpu-affinity",
+            "[[0], [1]]", "--routing-tiers-high-min-top1", "null"]  # fmt: skip
+    s = load_settings(None, **_overrides(build_parser().parse_args(argv)))
+    assert s.engine.faults == {"f16": "oom-at-decode"}
+    assert s.telemetry.cpu_affinity == [[0], [1]]
+    assert s.routing.tiers.high.min_top1 is None and s.routing.tiers.high.max_kld == 0.001
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--engine-faults", "{f16: oom}"])
+    assert "not JSON" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    assert "(default: 0.001)" in capsys.readouterr().out  # the tier's own, not the field's
+
+
+def test_an_environment_variable_that_starts_like_a_setting_must_name_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One ``_`` where ``__`` joins names, or a misspelt name, was ignored without a word."""
+    for name, hint in (
+        ("QUANTROUTE_ENGINE_PARALLEL", "QUANTROUTE_ENGINE__PARALLEL?"),
+        ("QUANTROUTE_SERVERPORT", "QUANTROUTE_SERVER__PORT?"),
+        ("QUANTROUTE_REPOO", ""),
+    ):
+        with monkeypatch.context() as m:
+            m.setenv(name, "8")
+            with pytest.raises(ConfigError, match=name) as info:
+                load_settings()
+            assert hint in str(info.value) and "8" not in str(info.value).replace(name, "")
+    # another tool's variable (the build's), and a real setting, pass
+    monkeypatch.setenv("QUANTROUTE_LLAMA_BACKEND", "cpu")
+    monkeypatch.setenv("QUANTROUTE_ENGINE__PARALLEL", "3")
+    assert load_settings().engine.parallel == 3
+
+
 def test_every_subcommand_has_help(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["--help"], ["serve", "--help"], ["demo", "--help"], ["demo", "build", "--help"]):
         with pytest.raises(SystemExit) as info:
