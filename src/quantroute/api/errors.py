@@ -42,7 +42,6 @@ def error_response(exc: QuantrouteError) -> JSONResponse:
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
-
 # What a location part may be to be named: a field name or a token id (logit_bias).
 # Anything else is a key the client chose (or pydantic's tag for a union member,
 # "list[TextPart]", "function-after[...]"), and the path stops before it.
