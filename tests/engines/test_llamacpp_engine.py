@@ -130,6 +130,7 @@ async def test_context_window_is_enforced_before_start(engine: LlamaCppEngine) -
 async def test_concurrent_requests_are_batched_not_queued(engine: LlamaCppEngine) -> None:
     n_tokens = 200
     req = _req(max_tokens=n_tokens, ignore_eos=True)
+
     async def alone() -> float:
         t0 = time.perf_counter()
         await _run(engine, req)
