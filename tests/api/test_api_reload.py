@@ -350,6 +350,7 @@ async def test_traffic_rules_change_without_restarts_and_rolling_back_stops_v2(
         versioned_manifest(folder, [{"version": "v2", "header": "x-ab-group", "value": "b"}])
         report = (await client.post("/admin/reload", headers=ADMIN)).json()
         assert report["outcome"] == "swapped" and report["swapped"] == [], report
+        assert report["changed"] == [MODEL]  # its traffic rules: no new worker
         assert report["drained"] == 0  # the same workers, new rules
         assert {b.id: b.engine for b in gateway.routes.current.branches()} == engines
         r = await client.post("/v1/completions", json=body, headers={"x-ab-group": "b"})

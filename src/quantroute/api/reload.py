@@ -72,6 +72,7 @@ class ReloadReport:
     swapped: tuple[str, ...] = ()  # routes with new workers, new or removed
     failures: dict[str, str] = field(default_factory=dict)  # model -> why it kept its old version
     drained: int = 0  # replaced branches stopped after their requests finished
+    changed: tuple[str, ...] = ()  # routes and models changed with no new worker: rules, profiles
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -167,7 +168,7 @@ class Reloader:
             log.info(
                 "reload: generation %d serves (%s) in %.3f s",
                 report.generation,
-                ", ".join(report.swapped) or "profiles",
+                ", ".join(report.swapped + report.changed),
                 report.swap_s or 0.0,
             )
         for hook in self.hooks:
@@ -244,7 +245,9 @@ class Reloader:
             {b.model for b in fresh if id(b.engine) in serving} | {b.model for b in retired}
         )
         table = RouteTable.build(routes, current.version + 1, splits)
-        if not swapped and _view(table) == _view(current):
+        before, after = _views(current), _views(table)
+        changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
+        if not swapped and not changed:
             outcome = "failed" if failures else "unchanged"
             now = time.monotonic() - started
             report = ReloadReport(
@@ -267,6 +270,7 @@ class Reloader:
             time.monotonic() - started,
             tuple(swapped),
             failures,
+            changed=tuple(n for n in changed if n not in swapped),
         )
         return report, retired
 
@@ -314,19 +318,14 @@ class Reloader:
         await self.drains.close()
 
 
-def _view(table: RouteTable) -> object:
-    """What a client or the policy can see of a table: two tables with the same view
-    need no swap."""
-    return (
-        sorted(
-            (
-                name,
-                r.reference,
-                tuple((b.name, id(b.engine), b.profile) for b in r.branches),
-                r.profile_warnings,
-                r.stale,
-            )
-            for name, r in table.models.items()
-        ),
-        sorted((m, s.default, s.rules, s.versions) for m, s in table.splits.items()),
-    )
+def _views(table: RouteTable) -> dict[str, list[object]]:
+    """What a client or the policy can see of a table, per route (its branches, workers
+    and profiles) and per model (its traffic split): two tables with the same views need
+    no swap, and a name whose view changed is one the reload changed."""
+    views: dict[str, list[object]] = {}
+    for name, r in table.models.items():
+        branches = tuple((b.name, id(b.engine), b.profile) for b in r.branches)
+        views.setdefault(name, []).append((r.reference, branches, r.profile_warnings, r.stale))
+    for m, split in table.splits.items():
+        views.setdefault(m, []).append((split.default, split.rules, split.versions))
+    return views
