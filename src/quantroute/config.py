@@ -147,7 +147,14 @@ class EngineSettings(BaseModel):
         "shared token prefix of a new prompt (prefill only the rest).",
     )
     faults: dict[
-        str, Literal["sigill-at-first-decode", "exit-at-load", "oversize-line", "oom-at-decode"]
+        str,
+        Literal[
+            "sigill-at-first-decode",
+            "exit-at-load",
+            "oversize-line",
+            "oom-at-decode",
+            "hang-up-at-decode",
+        ],
     ] = Field(
         default_factory=dict,
         description="Fault injection for tests: branch name (or model:branch, or '*') -> how "

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from qrtest import demo_model_dir
+from quantroute.engines import llamacpp
 from quantroute.engines.base import (
     FinishEvent,
     FinishReason,
@@ -207,6 +208,35 @@ async def test_a_request_that_saw_its_worker_die_finds_the_branch_not_ready(
             if isinstance(ev, TokenEvent):
                 os.kill(pid, signal.SIGKILL)
     assert not engine.ready
+
+
+async def test_a_worker_that_closes_its_output_but_never_exits_is_killed_and_restarted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing such a worker does can reach a request again, and a process that never
+    exits is never restarted by its exit: the engine kills it after a grace."""
+    monkeypatch.setattr(llamacpp, "EXIT_GRACE_S", 0.5)
+    engine = LlamaCppEngine(
+        "tiny-llama:q8_0",
+        demo_model_dir() / "q8_0.gguf",
+        WorkerOptions(parallel=2, n_threads=1, fault="hang-up-at-decode"),
+        RestartPolicy(backoff_s=0.1, backoff_max_s=0.5),
+    )
+    await engine.start()
+    try:
+        assert engine.ready  # the warm-up does not hang up
+        pid = engine.pid
+        with pytest.raises(EngineCrashedError, match="closed its output"):
+            await _run(engine, _req(max_tokens=4))
+        for _ in range(100):
+            if engine.ready:
+                break
+            await asyncio.sleep(0.1)
+        assert engine.ready and engine.pid not in (None, pid) and engine.restarts == 1
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # the wedged one is gone, not left behind
+    finally:
+        await engine.stop()
 
 
 async def test_a_broken_model_file_never_raises_and_fails_its_branch(tmp_path) -> None:  # type: ignore[no-untyped-def]

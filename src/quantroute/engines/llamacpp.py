@@ -69,13 +69,15 @@ log = logging.getLogger(__name__)
 _Item = dict[str, Any] | TokenEvent | BaseException
 
 PIPE_LINE_LIMIT_BYTES = 1 << 24
+"""The longest line the gateway reads from a worker (``engines/supervisor.py`` opens the
+pipe with this ``limit``); a longer one kills the reader, and the worker is restarted."""
 # A request's events waiting for its reader: at the high mark the worker pauses its
 # sequence (it keeps its slot, decodes nothing); at the low mark it resumes. A slow
 # reader so costs the gateway at most this many events, never an unbounded buffer.
 STREAM_HIGH_WATER = 64
 STREAM_LOW_WATER = 16
-"""The longest line the gateway reads from a worker (``engines/supervisor.py`` opens the
-pipe with this ``limit``); a longer one kills the reader, and the worker is restarted."""
+EXIT_GRACE_S = 5.0
+"""How long a worker that closed its output may take to exit before it is killed."""
 
 # Read by the gateway only; not passed to the worker.
 _GATEWAY_ONLY = frozenset({"start_timeout_s", "gen_idle_timeout_s", "score_timeout_s", "gpu"})
@@ -337,10 +339,15 @@ class LlamaCppEngine:
             return  # a worker we abandoned, already replaced
         self._accepting = False
         try:
-            code = await asyncio.wait_for(proc.wait(), 5.0)
-            cause = describe_exit(code)
+            code = await asyncio.wait_for(proc.wait(), EXIT_GRACE_S)
         except TimeoutError:
-            cause = "it closed its output"
+            # Nothing it does can reach a request any more, and a process that never
+            # exits is never restarted: kill it, unless a stop is already ending it.
+            if not self._supervisor.stopping:
+                late = f"it closed its output but was running {EXIT_GRACE_S:g} s later"
+                self._abandon(proc, late)
+            return
+        cause = describe_exit(code)
         if self._supervisor.process is proc:
             # Not ready from the moment its requests learn it died, not from when the
             # supervisor's own wait for the exit happens to run.

@@ -96,7 +96,9 @@ before loading the model; ``oom-at-decode`` fails every decode of a request (not
 llama.cpp does when memory runs out, returning 1; ``oversize-line`` answers
 its first scoring command
 (``logits`` or ``score``) with one line longer than the gateway's 16 MiB
-limit first, as vocabulary-sized rows once did.
+limit first, as vocabulary-sized rows once did; ``hang-up-at-decode`` closes its
+output at a request's first decode (not the warm-up's) and then never exits, as a
+worker wedged in a dying runtime can.
 
 ``--oom-flag PATH`` (set for a branch on a simulated device): while the file
 exists, the device is out of memory, and each new client sequence fails its
@@ -712,6 +714,13 @@ class Worker:
             s.first_scored < 0 for s in self.active.values()
         ):
             _die_of(signal.SIGILL)
+        if self._fault == "hang-up-at-decode" and any(
+            not s.rid.startswith("warmup") and s.first_scored < 0 for s in self.active.values()
+        ):
+            self.flush()
+            self._out.close()
+            while True:
+                time.sleep(3600)
         if self._fault == "oom-at-decode" and any(
             not s.rid.startswith("warmup") and s.first_scored < 0 for s in self.active.values()
         ):
@@ -935,7 +944,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--fault",
         default="",
-        choices=("", "sigill-at-first-decode", "exit-at-load", "oversize-line", "oom-at-decode"),
+        choices=(
+            "",
+            "sigill-at-first-decode",
+            "exit-at-load",
+            "oversize-line",
+            "oom-at-decode",
+            "hang-up-at-decode",
+        ),
         help="test hook: fail on purpose (see the module docstring)",
     )
     return parser.parse_args(argv)

@@ -127,6 +127,11 @@ class WorkerSupervisor:
         self.first_start: asyncio.Future[None] | None = None
 
     @property
+    def stopping(self) -> bool:
+        """A stop is under way (the worker was told to shut down, or is being killed)."""
+        return self._stopping
+
+    @property
     def failed(self) -> bool:
         """The worker failed ``max_crashes`` times in a row and has not been healthy since."""
         return self.failure is not None
