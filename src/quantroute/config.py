@@ -56,6 +56,11 @@ class ServerSettings(BaseModel):
         None,
         description="Bearer key for /admin/* endpoints; without one they are closed (403).",
     )
+    metrics_key: SecretStr | None = Field(
+        None,
+        description="A read-only Bearer key for what auth.protect_metrics protects (a "
+        "scraper's); the admin key opens the same.",
+    )
 
 
 class LimitSettings(BaseModel):
@@ -271,7 +276,10 @@ class AuthSettings(BaseModel):
         "(docs/api.md#tenants). Without one the API is open to anyone who reaches the port.",
     )
     protect_metrics: bool = Field(
-        False, description="GET /metrics needs a client or admin key (when tenants are set)."
+        True,
+        description="With tenants set, GET /metrics, /dashboard/data and /v1/devices (every "
+        "tenant's usage, every model) need the admin key or server.metrics_key, and "
+        "/readyz answers its status alone to others.",
     )
     protect_explain: bool = Field(
         True,

@@ -154,6 +154,20 @@ def test_resumes_of_other_tenants_unknown_streams_or_unseen_events_are_refused(b
         assert http.get(f"/v1/streams/{job}").status_code == 401  # no key at all
         r = http.get(f"/v1/streams/{job}", headers=ACME | {"last-event-id": "someone-else/3"})
         assert r.status_code == 400
+        # ids no client was given, each a 400 naming where it came from: digits int()
+        # refuses ("²" passes str.isdigit), too many digits, too long, below zero
+        for params, raw, param in (
+            ({}, "\xb2".encode("latin-1"), "Last-Event-ID"),
+            ({}, f"{job}/1\xb9".encode("latin-1"), "Last-Event-ID"),
+            ({}, b"9" * 19, "Last-Event-ID"),
+            ({}, b"x" * 300, "Last-Event-ID"),
+            ({"starting_after": "\u00b2"}, None, "starting_after"),
+            ({"starting_after": "-1"}, None, "starting_after"),
+            ({"starting_after": "1e3"}, None, "starting_after"),
+        ):
+            extra = {} if raw is None else {"last-event-id": raw}
+            r = http.get(f"/v1/streams/{job}", params=params, headers=ACME | extra)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         # past its last event: no client saw that id, and an empty 200 would read as a cut
         # stream (an EventSource would reconnect with it for ever)
         last = events[-1].seq

@@ -110,6 +110,8 @@ def test_the_status_page_shows_branches_devices_and_live_numbers() -> None:
         _chromium() as browser,
     ):
         devices = httpx.get(f"{base}/v1/devices").json()["data"]
+        csp = httpx.get(f"{base}/dashboard").headers["content-security-policy"]
+        assert "script-src 'sha256-" in csp  # the page below runs under it
         browser.call("Page.enable")
         browser.call("Page.navigate", url=f"{base}/dashboard")
         first = _wait(browser, lambda s: s["polls"] >= 1 and s["branches"])

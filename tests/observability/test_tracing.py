@@ -98,6 +98,23 @@ async def test_a_request_is_one_server_span_with_admission_routing_and_generatio
     assert carried["baggage"] == "user.plan=pro"
 
 
+async def test_a_model_not_served_names_no_span_and_no_attribute() -> None:
+    """The span's name and its model attribute take the client's text only when it names
+    a model served here: an unknown one is free text (bounded, but any)."""
+    app = _app({"f16": FakeEngine()})
+    exporter = InMemorySpanExporter()
+    app.state.gateway.observer.tracing = Tracing(exporter, batch=False)
+    async with serving(app) as (client, _):
+        for model in ("MARKER-not-served", "MARKER:f16", "tiny-llama:f16"):
+            r = await client.post("/v1/chat/completions", json=CHAT | {"model": model})
+            assert r.status_code == (200 if model == "tiny-llama:f16" else 404)
+    roots = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
+    assert [s.name for s in roots] == ["chat", "chat", "chat tiny-llama:f16"]
+    for span in roots:
+        assert "MARKER" not in repr(span.attributes)
+    assert (roots[2].attributes or {})["gen_ai.request.model"] == "tiny-llama:f16"
+
+
 async def test_tracing_off_builds_no_spans_and_carries_nothing() -> None:
     engine = FakeEngine()
     app = _app({"f16": engine})

@@ -57,13 +57,27 @@ async def test_keys_tenants_and_their_limits(
             assert "sk-nope" not in r.text
         assert (await c.get("/v1/models")).status_code == 401
         assert (await c.post("/v1/route/explain", json=ASK)).status_code == 401  # protected
-        assert (await c.get("/metrics")).status_code == 200  # open by default
+        # what shows every tenant and model needs an operator's key (none is configured)
+        for path in ("/metrics", "/dashboard/data", "/v1/devices"):
+            for headers in ({}, _key("sk-big")):
+                assert (await c.get(path, headers=headers)).status_code == 401, path
+        ready = await c.get("/readyz")  # a probe's: its status, and nothing about models
+        assert ready.status_code == 200 and ready.json() == {"status": "ready"}
         assert (await c.get("/healthz")).status_code == 200
 
-        # a tenant sees and uses only its models
+        # a tenant sees and uses only its models, and learns nothing of the others: not
+        # from a 404's list of models, a pinned branch's list, or an explanation
         assert (await c.get("/v1/models", headers=_key("sk-other"))).json()["data"] == []
-        r = await c.post("/v1/completions", json=ASK, headers=_key("sk-other"))
-        assert r.status_code == 404
+        for model in ("tiny-llama", "tiny-llama:nope", "tiny-llama:f16", "nope"):
+            for path in ("/v1/completions", "/v1/route/explain"):
+                r = await c.post(path, json=ASK | {"model": model}, headers=_key("sk-other"))
+                assert r.status_code == 404, (path, model, r.text)
+                assert "tiny-llama" not in r.text and "f16" not in r.text, r.text
+                assert r.json()["error"]["param"] == "model"
+        r = await c.post("/v1/completions", json=ASK | {"model": "nope"}, headers=_key("sk-big"))
+        assert r.status_code == 404 and "tiny-llama" in r.json()["error"]["message"]
+        r = await c.post("/v1/route/explain", json=ASK, headers=_key("sk-big"))
+        assert r.status_code == 200 and r.json()["model"] == "tiny-llama"
         ids = [m["id"] for m in (await c.get("/v1/models", headers=_key("sk-big"))).json()["data"]]
         assert "tiny-llama" in ids
 
@@ -140,28 +154,57 @@ async def test_a_flood_gets_200s_or_fast_503s_with_retry_after() -> None:
         assert (await c.post("/v1/completions", json=ASK)).status_code == 200
 
 
-async def test_the_status_page_lists_other_tenants_requests_to_the_admin_only(
+async def test_the_status_page_and_metrics_are_for_the_admin_and_metrics_keys_only(
     tenants_file: Path,
 ) -> None:
     from qrtest import ADMIN, ADMIN_KEY
 
+    metrics_key = _key("sk-scraper")
     settings = load_settings(
-        auth={"tenants_file": str(tenants_file), "protect_metrics": True},
-        server={"admin_key": ADMIN_KEY},
+        auth={"tenants_file": str(tenants_file)},
+        server={"admin_key": ADMIN_KEY, "metrics_key": "sk-scraper"},
         telemetry={"devices": "sim:1x8GiB"},
     )
     async with serving(create_app(settings, table=fake_table())) as (c, _):
         r = await c.post("/v1/completions", json=ASK, headers=_key("sk-big"))
         assert r.status_code == 200
-        assert (await c.get("/dashboard/data")).status_code == 401  # protected
-        tenant = (await c.get("/dashboard/data", headers=_key("sk-limited"))).json()
+        for path in ("/dashboard/data", "/metrics", "/v1/devices"):
+            assert (await c.get(path)).status_code == 401, path
+            assert (await c.get(path, headers=_key("sk-limited"))).status_code == 401, path
+            assert (await c.get(path, headers=_key("sk-scrape"))).status_code == 401, path
+            assert (await c.get(path, headers=ADMIN)).status_code == 200, path
+            assert (await c.get(path, headers=metrics_key)).status_code == 200, path
         admin = (await c.get("/dashboard/data", headers=ADMIN)).json()
-        assert tenant["requests"] == admin["requests"] == 1  # counts, for anyone with a key
-        assert tenant["recent"] == [] and len(admin["recent"]) == 1  # requests: the admin's
-        # the page reads the model list with the same key: the admin key reads it too (all
-        # models), and still cannot generate (it is no tenant's)
+        scraper = (await c.get("/dashboard/data", headers=metrics_key)).json()
+        assert admin["requests"] == scraper["requests"] == 1
+        assert len(admin["recent"]) == len(scraper["recent"]) == 1
+        metrics = (await c.get("/metrics", headers=metrics_key)).text
+        assert 'tenant="big"' in metrics
+        full = (await c.get("/readyz", headers=metrics_key)).json()
+        assert full["status"] == "ready" and "tiny-llama" in full["ready_branches"]
+        # the page reads the model list with the same key: both read it (all models), and
+        # neither can generate (neither is a tenant's) nor act (the metrics key)
         assert (await c.get("/v1/models")).status_code == 401
-        listed = (await c.get("/v1/models", headers=ADMIN)).json()
-        assert "tiny-llama" in [m["id"] for m in listed["data"]]
-        assert (await c.get("/v1/models/tiny-llama:f16", headers=ADMIN)).status_code == 200
-        assert (await c.post("/v1/completions", json=ASK, headers=ADMIN)).status_code == 401
+        for key in (ADMIN, metrics_key):
+            listed = (await c.get("/v1/models", headers=key)).json()
+            assert "tiny-llama" in [m["id"] for m in listed["data"]]
+            assert (await c.get("/v1/models/tiny-llama:f16", headers=key)).status_code == 200
+            assert (await c.post("/v1/completions", json=ASK, headers=key)).status_code == 401
+        assert (await c.get("/admin/status", headers=metrics_key)).status_code == 401
+
+
+async def test_with_protect_metrics_off_metrics_are_open_but_requests_stay_private(
+    tenants_file: Path,
+) -> None:
+    settings = load_settings(
+        auth={"tenants_file": str(tenants_file), "protect_metrics": False},
+        telemetry={"devices": "sim:1x8GiB"},
+    )
+    async with serving(create_app(settings, table=fake_table())) as (c, _):
+        r = await c.post("/v1/completions", json=ASK, headers=_key("sk-big"))
+        assert r.status_code == 200
+        assert (await c.get("/metrics")).status_code == 200
+        assert (await c.get("/v1/devices")).status_code == 200
+        assert "ready_branches" in (await c.get("/readyz")).json()
+        data = (await c.get("/dashboard/data")).json()
+        assert data["requests"] == 1 and data["recent"] == []  # the list: operators' only

@@ -1,9 +1,14 @@
 """Keys: client keys name a tenant; the admin key opens ``/admin/*``.
 
-- ``/v1/*`` completions, chat, models (and explain, ``/metrics`` where the
-  settings say): ``Authorization: Bearer <key>`` of a tenant
-  (``auth.tenants_file``); without tenants configured the API is open. The admin
-  key reads the model list too (not generate: it is not a tenant's).
+- ``/v1/*`` completions, chat, models (and explain, where the settings say):
+  ``Authorization: Bearer <key>`` of a tenant (``auth.tenants_file``); without
+  tenants configured the API is open. A tenant sees only the models its key may
+  use, in lists, 404s and explanations alike. The admin key reads the model list
+  too (not generate: it is not a tenant's).
+- What shows every tenant and model (``/metrics``, ``/dashboard/data``,
+  ``/v1/devices``, ``/readyz``'s details), with tenants configured and
+  ``auth.protect_metrics`` (the default): the admin key or the read-only
+  ``server.metrics_key``, never a client key.
 - ``/admin/*``: ``Authorization: Bearer <server.admin_key>``; without a
   configured key they are closed (403), so a fresh install exposes no
   operator action.
@@ -13,10 +18,11 @@ Keys are compared in constant time and never logged or echoed.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
-from collections.abc import Awaitable, Callable
 
 from fastapi import Request
+from pydantic import SecretStr
 
 from quantroute.errors import AuthenticationError, PermissionDeniedError
 from quantroute.resilience.tenants import OPEN, Tenant, Tenants
@@ -28,12 +34,26 @@ def bearer_token(request: Request) -> str | None:
 
 
 def _is_admin(request: Request, token: str | None) -> bool:
-    key = request.app.state.settings.server.admin_key
+    return _matches(request.app.state.settings.server.admin_key, token)
+
+
+def _is_operator(request: Request, token: str | None) -> bool:
+    """The admin key or the read-only metrics key."""
+    server = request.app.state.settings.server
+    return _matches(server.admin_key, token) or _matches(server.metrics_key, token)
+
+
+def _matches(key: SecretStr | None, token: str | None) -> bool:
+    # both digested first, so the comparison's time tells nothing, not even the length
     return (
         key is not None
         and token is not None
-        and hmac.compare_digest(token.encode(), key.get_secret_value().encode())
+        and hmac.compare_digest(_digest(token), _digest(key.get_secret_value()))
     )
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
 
 
 async def require_admin(request: Request) -> None:
@@ -58,31 +78,47 @@ async def require_client(request: Request) -> Tenant:
 
 
 async def require_reader(request: Request) -> Tenant:
-    """A dependency for the model list: the tenant of a client key, or, for the admin key,
-    every model (the status page reads it with whichever key it was given)."""
-    if _is_admin(request, bearer_token(request)):
+    """A dependency for the model list: the tenant of a client key, or, for the admin or
+    the metrics key, every model (the status page reads it with the key it was given)."""
+    if _is_operator(request, bearer_token(request)):
         return OPEN
     return await require_client(request)
 
 
 def sees_everyone(request: Request) -> bool:
-    """Whether the caller may see other tenants' requests: the admin, or anyone while the
-    API is open."""
+    """Whether the caller may see every tenant's requests: the admin or the metrics key,
+    or anyone while the API is open."""
     tenants: Tenants = request.app.state.tenants
-    return tenants.open or _is_admin(request, bearer_token(request))
+    return tenants.open or _is_operator(request, bearer_token(request))
 
 
-def require_key_if(setting: str) -> Callable[[Request], Awaitable[None]]:
-    """A dependency for read endpoints: a client or the admin key, when ``auth.<setting>``
-    says so and tenants are configured."""
+def sees_everything(request: Request) -> bool:
+    """Whether the caller may read what shows every tenant and model: as
+    :func:`sees_everyone`, or anyone with ``auth.protect_metrics`` off."""
+    return not request.app.state.settings.auth.protect_metrics or sees_everyone(request)
 
-    async def check(request: Request) -> None:
-        if not getattr(request.app.state.settings.auth, setting):
-            return
-        tenants: Tenants = request.app.state.tenants
-        token = bearer_token(request)
-        if tenants.open or _is_admin(request, token) or tenants.find(token) is not None:
-            return
-        raise AuthenticationError("a valid API key is needed (Authorization: Bearer <key>)")
 
-    return check
+async def require_operator(request: Request) -> None:
+    """A dependency for what shows every tenant and model (``/metrics``, the status page's
+    data, ``/v1/devices``): the admin or the metrics key, when tenants are configured and
+    ``auth.protect_metrics`` is on (the default)."""
+    if not sees_everything(request):
+        raise AuthenticationError(
+            "this endpoint needs the admin key or server.metrics_key (Authorization: Bearer)"
+        )
+
+
+async def explainer(request: Request) -> Tenant:
+    """A dependency for ``/v1/route/explain``: whose models it may explain. A client key's
+    tenant; every model for the admin or the metrics key, an open API, or anyone when
+    ``auth.protect_explain`` is off and no client key is given."""
+    tenants: Tenants = request.app.state.tenants
+    token = bearer_token(request)
+    if tenants.open or _is_operator(request, token):
+        return OPEN
+    tenant = tenants.find(token)
+    if tenant is not None:
+        return tenant
+    if not request.app.state.settings.auth.protect_explain:
+        return OPEN
+    raise AuthenticationError("a valid API key is needed (Authorization: Bearer <key>)")

@@ -166,7 +166,11 @@ class Gateway:
                 settings.routing.speeds.weight, settings.routing.speeds.max_age_s
             ),
         )
-        self.observer = Observer(settings.observability, device_of=self._device_of)
+        self.observer = Observer(
+            settings.observability,
+            device_of=self._device_of,
+            served=lambda ref: self.routes.current.serves(ref),
+        )
         self.catalog = Catalog(settings)
         self.reloader = Reloader(self)
         self.reloader.hooks.append(self._count_reload)

@@ -18,11 +18,13 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from quantroute.api.auth import (
+    explainer,
     require_admin,
     require_client,
-    require_key_if,
+    require_operator,
     require_reader,
     sees_everyone,
+    sees_everything,
 )
 from quantroute.api.errors import render_error
 from quantroute.api.jobs import Run, Tick
@@ -37,7 +39,7 @@ from quantroute.api.service import Service
 from quantroute.api.sse import EventStreamResponse, payloads
 from quantroute.engines.base import StartEvent
 from quantroute.errors import InvalidRequestError
-from quantroute.observability.dashboard import DASHBOARD_HTML
+from quantroute.observability.dashboard import DASHBOARD_HEADERS, DASHBOARD_HTML
 from quantroute.resilience.resume import Stream, StreamStore
 from quantroute.resilience.tenants import Tenant
 
@@ -126,11 +128,21 @@ def _resume_after(
     if last_event_id is None:
         return starting_after
     key, _, seq = last_event_id.strip().rpartition("/")
-    if (key and key != stream_id) or not seq.isdigit() or len(seq) > 18:
+    if (key and key != stream_id) or len(last_event_id) > 256:
         raise InvalidRequestError(
             "Last-Event-ID is not an event id of this stream", param="Last-Event-ID"
         )
-    return int(seq)
+    return _seq(seq, "Last-Event-ID")
+
+
+def _seq(text: str | None, param: str) -> int | None:
+    """An event's seq as a client wrote it: ASCII digits only (``str.isdigit`` also takes
+    digits ``int`` refuses, such as ``²``), at most 18 of them."""
+    if text is None:
+        return None
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:
+        raise InvalidRequestError(f"{param} is not an event id of this stream", param=param)
+    return int(text)
 
 
 @router.get("/v1/streams/{stream_id}")
@@ -138,13 +150,13 @@ async def resume_stream(
     request: Request,
     stream_id: str,
     tenant: Client,
-    starting_after: Annotated[int | None, Query(ge=0, le=1 << 60)] = None,
-    last_event_id: Annotated[str | None, Header(max_length=256)] = None,
+    starting_after: Annotated[str | None, Query()] = None,
+    last_event_id: Annotated[str | None, Header()] = None,
 ) -> EventStreamResponse:
     """A stream again, from the event after ``Last-Event-ID`` (or ``starting_after``):
     the events kept, then the live rest; 404 once it expired, or for another tenant."""
     key = stream_id.removeprefix("chatcmpl-").removeprefix("cmpl-")  # a chunk's id works too
-    after = _resume_after(key, last_event_id, starting_after)
+    after = _resume_after(key, last_event_id, _seq(starting_after, "starting_after"))
     stream = _streams(request).get(key, tenant.name, after)
     if after is not None and after >= stream.next_seq:  # no client can have seen it
         raise InvalidRequestError(
@@ -212,14 +224,16 @@ class GenerationRoutes:
         await response(scope, receive, send)
 
 
-@router.post("/v1/route/explain", dependencies=[Depends(require_key_if("protect_explain"))])
-async def route_explain(request: Request) -> dict[str, Any]:
+@router.post("/v1/route/explain")
+async def route_explain(
+    request: Request, tenant: Annotated[Tenant, Depends(explainer)]
+) -> dict[str, Any]:
     """The routing decision for a chat or text completion body, without running it."""
     try:
         body = parse_generation_body(await request.body())
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from exc
-    return _service(request).explain(body, request.headers)
+    return _service(request).explain(body, request.headers, tenant)
 
 
 @router.get("/v1/models")
@@ -233,7 +247,7 @@ async def model(request: Request, model_id: str, tenant: Reader) -> dict[str, An
     return _service(request).model(model_id, tenant)
 
 
-@router.get("/metrics", dependencies=[Depends(require_key_if("protect_metrics"))])
+@router.get("/metrics", dependencies=[Depends(require_operator)])
 async def metrics(request: Request) -> Response:
     """Prometheus metrics of branches and devices (text exposition format)."""
     return Response(_service(request).metrics(), media_type=CONTENT_TYPE_LATEST)
@@ -242,10 +256,10 @@ async def metrics(request: Request) -> Response:
 @router.get("/dashboard", response_class=HTMLResponse)
 async def dashboard() -> HTMLResponse:
     """The status page: plain HTML whose script reads the JSON endpoints below."""
-    return HTMLResponse(DASHBOARD_HTML, headers={"cache-control": "no-cache"})
+    return HTMLResponse(DASHBOARD_HTML, headers=DASHBOARD_HEADERS)
 
 
-@router.get("/dashboard/data", dependencies=[Depends(require_key_if("protect_metrics"))])
+@router.get("/dashboard/data", dependencies=[Depends(require_operator)])
 async def dashboard_data(request: Request) -> dict[str, Any]:
     """What the router did in the last minute, and the last requests (for the page): those
     of every tenant for the admin key (or an open API) only."""
@@ -259,12 +273,15 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
-    """200 when every model has a branch that takes traffic; the body names failed ones."""
+    """200 when every model has a branch that takes traffic; the body names failed ones
+    (to whoever may read every model: otherwise it says ready or not, alone)."""
     ready, body = _service(request).readiness()
+    if not sees_everything(request):
+        body = {"status": body["status"]}
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
-@router.get("/v1/devices")
+@router.get("/v1/devices", dependencies=[Depends(require_operator)])
 async def devices(request: Request) -> dict[str, Any]:
     return _service(request).devices()
 

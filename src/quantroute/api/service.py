@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -109,12 +109,13 @@ class Service:
         )
         return requirement, shape
 
-    def explain(self, req: Request, headers: Mapping[str, str]) -> dict[str, Any]:
+    def explain(
+        self, req: Request, headers: Mapping[str, str], tenant: Tenant = OPEN
+    ) -> dict[str, Any]:
         """The decision for ``req`` without running it: per branch, each filter and the score."""
         check_limits(req, self._settings.limits)
-        route, branch = lookup(
-            self._gateway.routes.current, req.model, Audience.of(req.user, headers)
-        )
+        who = Audience.of(req.user, headers)
+        route, branch = lookup(self._gateway.routes.current, req.model, who, _limited(tenant))
         requirement, shape = self._routing_inputs(req, headers)  # a bad header is a 400 here too
         body: dict[str, Any] = {"model": route.name}
         if branch is not None:
@@ -195,11 +196,7 @@ class Service:
         grammar = request_grammar(req)
         gateway = self._gateway
         who = Audience.of(req.user, headers)
-        route, _ = lookup(gateway.routes.current, req.model, who)
-        if not tenant.may_use(route.model):
-            raise NotFoundError(
-                "The requested model does not exist, or this key may not use it.", param="model"
-            )
+        route, _ = lookup(gateway.routes.current, req.model, who, _limited(tenant))
         over = gateway.limits.check(tenant)
         if over is not None:
             limit, retry_s = over
@@ -351,6 +348,11 @@ class Service:
             "ready": branch.engine.ready,
             "failure": branch.engine.failure,
         }
+
+
+def _limited(tenant: Tenant) -> Callable[[str], bool] | None:
+    """The tenant's ``may_use`` when its key may not use every model (for ``lookup``)."""
+    return None if "*" in tenant.models else tenant.may_use
 
 
 def _prompt_text(req: ChatCompletionRequest | CompletionRequest) -> str:

@@ -115,12 +115,16 @@ class Observer:
         *,
         tracing: Tracing | None = None,
         device_of: Callable[[str], str | None] = lambda _branch_id: None,
+        served: Callable[[str], bool] = lambda _model: True,
     ):
         self.settings = settings
         self.instruments = Instruments()
         self.tracing = tracing if tracing is not None else Tracing.from_settings(settings)
         self.recent = RecentRequests(settings.recent_decisions)
         self.device_of = device_of  # a branch's device, for its spans
+        # whether a request's model is served here: only then does its text go into the
+        # span's name and attributes (the client's free text never does)
+        self.served = served
 
     def begin(self, req: Any, headers: Mapping[str, str], tenant: str) -> RequestTrace:
         """A generation request arrived (``req``: a chat or text completion body)."""
@@ -130,7 +134,7 @@ class Observer:
             attributes = {
                 "gen_ai.operation.name": "chat" if chat else "text_completion",
                 "gen_ai.provider.name": "quantroute",
-                "gen_ai.request.model": req.model,
+                "gen_ai.request.model": req.model if self.served(req.model) else None,
                 "gen_ai.request.temperature": req.temperature,
                 "gen_ai.request.top_p": req.top_p,
                 "gen_ai.request.seed": req.seed,

@@ -136,10 +136,11 @@ class RequestTrace:
             from opentelemetry.trace import SpanKind
 
             self._mark_ns = time.time_ns()
-            model = attributes.get("gen_ai.request.model", "")
+            operation = attributes.get("gen_ai.operation.name", kind)
+            model = attributes.get("gen_ai.request.model")
             self._context = observer.tracing.extract(headers)  # with the client's baggage
             self._span = tracer.start_span(
-                f"{attributes.get('gen_ai.operation.name', kind)} {model}",
+                operation if model is None else f"{operation} {model}",
                 context=self._context,
                 kind=SpanKind.SERVER,
                 attributes={k: v for k, v in attributes.items() if v is not None},

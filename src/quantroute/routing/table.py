@@ -15,7 +15,7 @@ from quantroute.routing.versions import Audience, VersionSplit
 from quantroute.types import Precision, split_version
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from quantroute.engines.base import Engine
     from quantroute.quality.profile import BranchProfile
@@ -82,6 +82,11 @@ class RouteTable:
         by_model = MappingProxyType({s.model: s for s in splits or ()})
         return cls(MappingProxyType({r.name: r for r in routes}), version, by_model)
 
+    def serves(self, ref: str) -> bool:
+        """Whether ``ref`` (``m``, ``m@v2``, ``m:b``) names a model served here."""
+        name = parse_model_ref(ref)[0]
+        return name in self.models or name in self.splits
+
     def names(self) -> list[str]:
         """What a client may name: plain models, versioned models and their versions."""
         return sorted({*self.models, *self.splits})
@@ -104,13 +109,20 @@ def parse_model_ref(ref: str) -> tuple[str, str | None]:
 
 
 def lookup(
-    table: RouteTable, ref: str, who: Audience | None = None
+    table: RouteTable,
+    ref: str,
+    who: Audience | None = None,
+    may_use: Callable[[str], bool] | None = None,
 ) -> tuple[ModelRoute, Branch | None]:
     """The model a request names, and its pinned branch if it names one (``m:b``).
     A versioned model's version is ``who``'s by its rules (``m``), or pinned
     (``m@v2``, ``m@v2:b``). An unknown model, version or branch is a 404 that lists
-    what is served, never a default."""
+    what is served, never a default. With ``may_use`` (a tenant's: which models its key
+    may use) a model it may not use is a 404 like an unknown one, and the lists name
+    only the models it may use: nothing about another tenant's models shows."""
     name, pinned = parse_model_ref(ref)
+    if may_use is not None and not may_use(split_version(name)[0]):
+        raise NotFoundError(_not_served(table, may_use), param="model")
     split = table.splits.get(name)
     if split is not None:
         name = split.route_name(split.pick(who or Audience()))
@@ -125,10 +137,7 @@ def lookup(
                 + ".",
                 param="model",
             )
-        known = ", ".join(table.names()) or "none"
-        raise NotFoundError(
-            f"The requested model does not exist. Models served here: {known}.", param="model"
-        )
+        raise NotFoundError(_not_served(table, may_use), param="model")
     if pinned is None:
         return route, None
     branch = route.branch(pinned)
@@ -140,3 +149,18 @@ def lookup(
             param="model",
         )
     return route, branch
+
+
+def _not_served(table: RouteTable, may_use: Callable[[str], bool] | None) -> str:
+    names = table.names()
+    if may_use is None:
+        return f"The requested model does not exist. Models served here: {_listed(names)}."
+    names = [n for n in names if may_use(split_version(n)[0])]
+    return (
+        "The requested model does not exist, or this key may not use it. "
+        f"Models this key may use: {_listed(names)}."
+    )
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names) or "none"
