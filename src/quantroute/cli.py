@@ -119,12 +119,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
     logging.getLogger(__name__).info("event loop %s, HTTP parser %s", loop, http)
+    server = settings.server
+    protocol: Any = http
+    if http == "httptools":  # it bounds no request head: ours does (h11 has a bound of its own)
+        from quantroute.api.protocol import bounded
+
+        protocol = bounded(server.max_header_bytes, server.header_timeout_s)
     uvicorn.run(
         app,
-        host=settings.server.host,
-        port=settings.server.port,
+        host=server.host,
+        port=server.port,
         loop=loop,
-        http=http,
+        http=protocol,
+        h11_max_incomplete_event_size=server.max_header_bytes,
         log_level=settings.server.log_level,
         log_config=None,  # uvicorn's lines go through our handler (JSON or plain)
         access_log=not obs.access_log,  # ours carries tokens, TTFT and the request id

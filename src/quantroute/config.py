@@ -46,6 +46,19 @@ class ServerSettings(BaseModel):
     max_body_bytes: int = Field(
         1 << 20, ge=1024, description="Largest request body accepted; larger gets 413."
     )
+    max_header_bytes: int = Field(
+        32 * 1024,
+        ge=1024,
+        le=1 << 24,
+        description="Largest request head (request line and headers) accepted; larger gets 431.",
+    )
+    header_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        le=3600,
+        description="A connection whose request head is not complete this long after it "
+        "opened (or the request's first byte) is closed.",
+    )
     keepalive_s: float = Field(
         15.0, gt=0, description="Seconds between SSE keep-alive comments on an idle stream."
     )
