@@ -55,6 +55,11 @@ async def test_keys_tenants_and_their_limits(
             r = await c.post("/v1/completions", json=ASK, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
             assert "sk-nope" not in r.text
+        # two keys: which one counts would be a guess, so neither does
+        for pair in (["Bearer sk-big", "Bearer sk-nope"], ["Bearer sk-nope", "Bearer sk-big"]):
+            headers = [("authorization", value) for value in pair]
+            r = await c.post("/v1/completions", json=ASK, headers=headers)
+            assert r.status_code == 401
         assert (await c.get("/v1/models")).status_code == 401
         assert (await c.post("/v1/route/explain", json=ASK)).status_code == 401  # protected
         # what shows every tenant and model needs an operator's key (none is configured)

@@ -29,7 +29,12 @@ from quantroute.resilience.tenants import OPEN, Tenant, Tenants
 
 
 def bearer_token(request: Request) -> str | None:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    """The request's Bearer key; none when it sends no ``Authorization`` or several (which
+    one counts would be a guess, and a proxy that adds its own must not pass for a key)."""
+    values = request.headers.getlist("authorization")
+    if len(values) != 1:
+        return None
+    scheme, _, token = values[0].partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
