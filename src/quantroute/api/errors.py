@@ -13,7 +13,8 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
 from quantroute.api.structured import FORMAT_TAGS
 from quantroute.errors import (
     FieldError,
@@ -46,35 +48,113 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 # Anything else is a key the client chose (or pydantic's tag for a union member,
 # "list[TextPart]", "function-after[...]"), and the path stops before it.
 _NAMEABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}|[0-9]{1,9}")
+_TOKEN_ID = re.compile(r"[0-9]{1,9}")
+# Fields whose keys are the client's: a key is named only if it is a token id.
+_KEYED = frozenset({"logit_bias"})
+# pydantic's messages that quote the input (a union's tag, an attribute's name, a
+# parser's complaint about the text), each replaced by one that does not. Every other
+# message of pydantic's is built from the schema alone (bounds, patterns, the expected
+# literals); "value_error" and "assertion_error" carry our validators' own words.
+_QUOTING = {
+    "no_such_attribute": "has no such attribute",
+    "get_attribute_error": "could not be read",
+    "iteration_error": "could not be iterated over",
+    "mapping_type": "Input should be a valid mapping",
+    "bytes_invalid_encoding": "Data should be validly encoded",
+    "date_parsing": "Input should be a valid date in the format YYYY-MM-DD",
+    "date_from_datetime_parsing": "Input should be a valid date or datetime",
+    "time_parsing": "Input should be in a valid time format",
+    "datetime_parsing": "Input should be a valid datetime",
+    "datetime_object_invalid": "Invalid datetime object",
+    "datetime_from_date_parsing": "Input should be a valid datetime or date",
+    "timezone_offset": "Input has the wrong timezone offset",
+    "time_delta_parsing": "Input should be a valid duration",
+    "url_parsing": "Input should be a valid URL",
+    "url_syntax_violation": "Input violated strict URL syntax rules",
+    "uuid_parsing": "Input should be a valid UUID",
+}
+# The context pydantic fills from the input: a message of a type not listed above that
+# carries one of these is not passed on either (a type newer than this list).
+_INPUT_CONTEXT = frozenset({"error", "tag", "attribute", "tz_actual", "encoding_error"})
+_OUR_WORDS = frozenset({"value_error", "assertion_error"})
+# OpenAI's request parameters (and ours, sent to the other endpoint): an unknown field
+# that is one of these is named, since the name is then this list's, not the client's.
+_KNOWN_PARAMETERS = frozenset(
+    {
+        *("audio", "best_of", "function_call", "functions", "metadata", "modalities"),
+        *("prediction", "prompt_cache_key", "reasoning_effort", "safety_identifier"),
+        *("service_tier", "store", "suffix", "verbosity", "web_search_options"),
+        *ChatCompletionRequest.model_fields,
+        *CompletionRequest.model_fields,
+    }
+)
+_TAG_ERRORS = frozenset({"union_tag_invalid", "union_tag_not_found"})
 
 
-def validation_error(exc: RequestValidationError) -> InvalidRequestError:
-    """The first problem, naming its field; the offending value is never echoed."""
-    first = exc.errors()[0]
-    raw = tuple(first.get("loc", ()))
+def _location(parts: tuple[object, ...]) -> tuple[list[str], bool]:
+    """The part of an error's location that may be named: up to the first key the client
+    chose (or pydantic's name for a union member); and whether that is all of it."""
     loc: list[str] = []
-    parts = raw[1:] if raw[:1] == ("body",) else raw
     for i, part in enumerate(parts):
         text = str(part)
         if i and parts[i - 1] == "response_format" and text in FORMAT_TAGS:
             continue  # pydantic names the union's member by its tag: not a field
+        if i and parts[i - 1] in _KEYED and not _TOKEN_ID.fullmatch(text):
+            break  # a key of the client's, not a token id
         if text in _TYPE_TAGS or not _NAMEABLE.fullmatch(text):
             break
         loc.append(text)
-    else:  # a check across a model's fields that blames one of them (a FieldError)
-        blamed = (first.get("ctx") or {}).get("error")
-        if isinstance(blamed, FieldError):
-            loc.append(blamed.field)
-    param = ".".join(loc) or None
-    if first.get("type") == "json_invalid":
-        return InvalidRequestError("The request body is not valid JSON.")
-    if first.get("type") == "missing" and not loc:
-        return InvalidRequestError("The request body is missing.")
+    else:
+        return loc, True
+    return loc, False
+
+
+def _message(first: Mapping[str, Any]) -> str:
+    """pydantic's message for ``first``, unless it may quote the input."""
+    kind = str(first.get("type", ""))
+    ctx = first.get("ctx") or {}
     message = str(first.get("msg", "invalid value"))
-    if first.get("type") == "extra_forbidden":
-        message = "unknown field"
+    if kind == "union_tag_invalid":
+        return f"should be one of {ctx.get('expected_tags', 'the documented values')}"
+    if kind in _QUOTING:
+        return _QUOTING[kind]
+    if kind not in _OUR_WORDS and _INPUT_CONTEXT & set(ctx):
+        return "invalid value"
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
+    return message
+
+
+def validation_error(exc: RequestValidationError) -> InvalidRequestError:
+    """The first problem, naming its field; the offending value is never echoed, nor a
+    key the client made up (an unknown field is named by where it is)."""
+    first = exc.errors()[0]
+    kind = first.get("type")
+    if kind == "json_invalid":
+        return InvalidRequestError("The request body is not valid JSON.")
+    raw = tuple(first.get("loc", ()))
+    parts = raw[1:] if raw[:1] == ("body",) else raw
+    if kind == "extra_forbidden":  # the last part is the client's key
+        loc, _ = _location(parts[:-1])
+        if not loc and parts and parts[-1] in _KNOWN_PARAMETERS:  # a name from our list
+            known = str(parts[-1])
+            return InvalidRequestError(f"{known}: not a parameter of this endpoint", param=known)
+        if not loc:
+            message = "The body has a field that is not a parameter of this endpoint."
+            return InvalidRequestError(message)
+        holder = ".".join(loc)
+        return InvalidRequestError(f"{holder}: has a field that it does not take", param=holder)
+    loc, whole = _location(parts)
+    ctx = first.get("ctx") or {}
+    if whole and isinstance(ctx.get("error"), FieldError):
+        loc.append(ctx["error"].field)  # a check across a model's fields blames one
+    discriminator = str(ctx.get("discriminator", "")).strip("'")  # pydantic quotes it
+    if whole and kind in _TAG_ERRORS and _NAMEABLE.fullmatch(discriminator):
+        loc.append(discriminator)  # the field that selects the union's member: "type"
+    param = ".".join(loc) or None
+    if kind == "missing" and not loc:
+        return InvalidRequestError("The request body is missing.")
+    message = _message(first)
     return InvalidRequestError(f"{param}: {message}" if param else message, param=param)
 
 

@@ -59,6 +59,29 @@ _ANNOTATIONS = frozenset(
 )  # fmt: skip
 _FORMATS = frozenset({"date", "time", "date-time", "uuid"})
 _TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
+#: The other keywords and formats of JSON Schema (drafts 4 to 2020-12): a message may name
+#: one of these, the server's own words; any other key or format is the client's and is
+#: never quoted back.
+_REFUSED = frozenset(
+    {
+        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+        "oneOf", "allOf", "not", "if", "then", "else", "uniqueItems", "contains",
+        "minContains", "maxContains", "additionalItems", "unevaluatedItems",
+        "unevaluatedProperties", "patternProperties", "propertyNames", "minProperties",
+        "maxProperties", "dependencies", "dependentRequired", "dependentSchemas",
+        "contentEncoding", "contentMediaType", "contentSchema", "$anchor", "$dynamicRef",
+        "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor", "$vocabulary",
+    }
+)  # fmt: skip
+_OTHER_FORMATS = frozenset(
+    {
+        "duration", "email", "idn-email", "hostname", "idn-hostname", "ipv4", "ipv6", "uri",
+        "uri-reference", "iri", "iri-reference", "uri-template", "json-pointer",
+        "relative-json-pointer", "regex",
+    }
+)  # fmt: skip
+_ONE_OF_TYPES = ", ".join(sorted(_TYPES))
+_ONLY_FORMATS = f"only {', '.join(sorted(_FORMATS))}"
 _MAX_SCHEMA_NODES = 2000
 # Bounds on counts, checked before any grammar is built. The converter nests one rule per
 # unit of a length or item count (llama.cpp's grammar parser crashed its process at a
@@ -73,7 +96,12 @@ _JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] | '
 
 
 class SchemaError(ValueError):
-    """A schema the grammar cannot enforce; ``str`` names the keyword and where it is."""
+    """A schema the grammar cannot enforce; ``str`` says what is wrong and where.
+
+    It quotes nothing the client wrote: a keyword or format is named only when it is one
+    of JSON Schema's, a property (or a ``$defs`` entry) by its position among its
+    siblings (``schema.properties[2]``, from 0), never by its name, and a value never.
+    """
 
 
 @cache
@@ -103,15 +131,23 @@ def check_schema(schema: Any, where: str = "schema") -> None:
         if not isinstance(node, dict):
             raise SchemaError(f"{path} must be an object (a JSON schema)")
         for key in node:
-            if key not in _ENFORCED and key not in _ANNOTATIONS:
+            if key in _ENFORCED or key in _ANNOTATIONS:
+                continue
+            if key in _REFUSED:  # one of JSON Schema's words, not the client's: name it
                 raise SchemaError(f"{path}: the keyword {key!r} is not supported")
+            raise SchemaError(
+                f'{path}: a key that is not a JSON schema keyword (a property goes in "properties")'
+            )
         types = node.get("type")
-        for t in types if isinstance(types, list) else [types]:
-            if t is not None and t not in _TYPES:
-                raise SchemaError(f"{path}.type: {t!r} is not a JSON schema type")
+        for i, t in enumerate(types if isinstance(types, list) else [types]):
+            if t is not None and not (isinstance(t, str) and t in _TYPES):
+                at = f"{path}.type[{i}]" if isinstance(types, list) else f"{path}.type"
+                raise SchemaError(f"{at}: not a JSON schema type (one of {_ONE_OF_TYPES})")
         fmt = node.get("format")
-        if fmt is not None and fmt not in _FORMATS:
-            raise SchemaError(f"{path}.format: {fmt!r} is not supported (only {sorted(_FORMATS)})")
+        if fmt is not None and not (isinstance(fmt, str) and fmt in _FORMATS):
+            if isinstance(fmt, str) and fmt in _OTHER_FORMATS:  # JSON Schema's: name it
+                raise SchemaError(f"{path}.format: {fmt!r} is not supported ({_ONLY_FORMATS})")
+            raise SchemaError(f"{path}.format: not a supported format ({_ONLY_FORMATS})")
         ref = node.get("$ref")
         if ref is not None and not (isinstance(ref, str) and ref.startswith("#/")):
             raise SchemaError(f"{path}.$ref: only local references (#/...) are supported")
@@ -170,13 +206,14 @@ def _combination(path: str, node: dict[str, Any]) -> None:
         required = node["required"]
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise SchemaError(f"{path}.required must be a list of property names")
-        missing = [r for r in required if r not in node["properties"]]
-        if missing:
-            raise SchemaError(f"{path}.required names {missing[0]!r}, which is not in properties")
+        for i, name in enumerate(required):
+            if name not in node["properties"]:
+                raise SchemaError(f"{path}.required[{i}]: names no property in properties")
     for key in _ALONE:
-        if key in node and keys - {key, "type"}:
-            other = sorted(keys - {key, "type"})[0]
-            raise SchemaError(f"{path}: {other!r} beside {key!r} is not supported")
+        # check_schema refused every other key: these are all keywords of _ENFORCED
+        beside = sorted((keys - {key, "type"}) & _ENFORCED)
+        if key in node and beside:
+            raise SchemaError(f"{path}: {beside[0]!r} beside {key!r} is not supported")
     if isinstance(node.get("type"), list) and keys - {"type"}:
         raise SchemaError(f"{path}: a list of types beside other keywords is not supported")
     if "prefixItems" in node and keys & {"items", "minItems", "maxItems"}:
@@ -198,7 +235,8 @@ def _nodes(schema: Any, path: str) -> Iterator[tuple[str, Any]]:
         for key in ("properties", "$defs", "definitions"):
             children = node.get(key)
             if isinstance(children, dict):
-                stack += [(f"{here}.{key}.{k}", v) for k, v in children.items()]
+                # by position: a property's name is the client's
+                stack += [(f"{here}.{key}[{i}]", v) for i, v in enumerate(children.values())]
             elif children is not None:
                 raise SchemaError(f"{here}.{key} must be an object")
         for key in ("anyOf", "prefixItems"):
