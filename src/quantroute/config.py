@@ -172,6 +172,7 @@ class EngineSettings(BaseModel):
             "oversize-line",
             "oom-at-decode",
             "hang-up-at-decode",
+            "hang-at-decode",
         ],
     ] = Field(
         default_factory=dict,

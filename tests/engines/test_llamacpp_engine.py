@@ -239,6 +239,40 @@ async def test_a_worker_that_closes_its_output_but_never_exits_is_killed_and_res
         await engine.stop()
 
 
+async def test_a_wedged_worker_is_replaced_though_every_caller_leaves_before_its_timeout() -> None:
+    """The gateway's first-token timeout leaves a request before the engine's idle timeout
+    would fire; a worker that answers nothing at all must be replaced all the same."""
+    engine = LlamaCppEngine(
+        "tiny-llama:q8_0",
+        demo_model_dir() / "q8_0.gguf",
+        WorkerOptions(parallel=2, n_threads=1, fault="hang-at-decode", gen_idle_timeout_s=1.0),
+        RestartPolicy(backoff_s=0.1, backoff_max_s=0.5),
+    )
+    await engine.start()
+    try:
+        assert engine.ready
+        pid = engine.pid
+
+        async def leave_early() -> None:  # as the runner's first-token timeout does
+            with contextlib.suppress(TimeoutError, EngineCrashedError):
+                await asyncio.wait_for(_run(engine, _req(max_tokens=4)), 0.4)
+
+        started = time.monotonic()
+        while engine.pid == pid and time.monotonic() - started < 10:
+            if engine.ready:
+                await leave_early()
+            else:
+                await asyncio.sleep(0.05)
+        assert engine.pid != pid, "the wedged worker was never replaced"
+        for _ in range(100):
+            if engine.ready:
+                break
+            await asyncio.sleep(0.1)
+        assert engine.ready and engine.pid not in (None, pid) and engine.restarts == 1
+    finally:
+        await engine.stop()
+
+
 async def test_a_broken_model_file_never_raises_and_fails_its_branch(tmp_path) -> None:  # type: ignore[no-untyped-def]
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)

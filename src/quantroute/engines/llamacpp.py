@@ -168,6 +168,9 @@ class LlamaCppEngine:
         self._reader: asyncio.Task[None] | None = None
         self._ids = itertools.count()
         self._last_line_at = time.monotonic()  # when the worker last sent anything
+        # commands the worker owes an answer (their last event), by when they were sent:
+        # those in flight, and those their callers left (a cancel sent) until its "fin"
+        self._owed: dict[str, float] = {}
         self._abandoned: str | None = None  # why we killed the current worker, if we did
         self._cache_stats = PromptCacheStats(enabled=options.prompt_cache)
         self._supervisor = WorkerSupervisor(
@@ -270,6 +273,7 @@ class LlamaCppEngine:
             raise EngineError(f"{self.name}: worker sent {hello.get('ev')!r} before 'ready'")
         self._info = EngineInfo(**hello["info"])
         self._last_line_at = time.monotonic()
+        self._owed.clear()
         self._reader = asyncio.create_task(self._read(proc), name=f"read:{self.name}")
         self._accepting = True
         await self._warm_up(self._info)
@@ -377,12 +381,15 @@ class LlamaCppEngine:
 
     def _deliver(self, rid: str, item: _Item) -> None:
         stream = self._streams.get(rid)
-        if stream is not None:
-            stream.put_nowait(item)
-            if stream.qsize() >= STREAM_HIGH_WATER and rid not in self._paused:
-                self._paused.add(rid)  # its reader is slow: stop decoding for it
-                self._held.add(rid)
-                self._post({"op": "pause", "id": rid})
+        if stream is None:  # its caller left: this is the answer to the cancel, or before it
+            if isinstance(item, dict) and item.get("ev") in ("fin", "err"):
+                self._owed.pop(rid, None)
+            return
+        stream.put_nowait(item)
+        if stream.qsize() >= STREAM_HIGH_WATER and rid not in self._paused:
+            self._paused.add(rid)  # its reader is slow: stop decoding for it
+            self._held.add(rid)
+            self._post({"op": "pause", "id": rid})
 
     def _abandon(self, proc: asyncio.subprocess.Process, cause: str) -> None:
         """Give up on this worker: fail every request on it, kill it (the supervisor
@@ -448,6 +455,7 @@ class LlamaCppEngine:
         ``timeout_s`` in all raises; leaving early cancels the command."""
         rid = command["id"]
         proc = self._writable()
+        self._check_stuck(proc)
         stream: asyncio.Queue[_Item] = asyncio.Queue()
         self._streams[rid] = stream
         self._paused.discard(rid)
@@ -456,6 +464,7 @@ class LlamaCppEngine:
         timer = ExchangeTimer(
             loop, idle_timeout_s, timeout_s, lambda: stream.put_nowait(TimeoutError())
         )
+        self._owed[rid] = time.monotonic()
         try:
             await self._send(command, timer.wait_s())
             while True:
@@ -490,8 +499,28 @@ class LlamaCppEngine:
             self._streams.pop(rid, None)
             self._paused.discard(rid)
             self._held.discard(rid)
-            if not done:
+            if done:
+                self._owed.pop(rid, None)
+            else:
                 self._post({"op": "cancel", "id": rid})
+                self._check_stuck(proc)
+
+    def _check_stuck(self, proc: asyncio.subprocess.Process) -> None:
+        """Abandon a worker that has sent nothing for ``gen_idle_timeout_s`` while owing
+        an answer sent at least that long ago. Each request's own timer does this for the
+        request that waits out the whole timeout; this is for callers that leave sooner
+        (the gateway's first-token timeout): without it a wedged worker would take one
+        request after another, each left before its timer, and never be replaced."""
+        if not self._owed:
+            return
+        now = time.monotonic()
+        idle_s = self._options.gen_idle_timeout_s
+        if now - self._last_line_at >= idle_s and now - min(self._owed.values()) >= idle_s:
+            silent_s = now - self._last_line_at
+            self._abandon(proc, f"it sent nothing for {silent_s:.0f}s with commands unanswered")
+        elif len(self._owed) > _OWED_MAX:  # answers that never came: forget the oldest
+            for rid in sorted(self._owed, key=self._owed.__getitem__)[: len(self._owed) // 2]:
+                del self._owed[rid]
 
     def _timed_out(
         self, proc: asyncio.subprocess.Process, wait_s: float, stuck_after_s: float
@@ -625,6 +654,7 @@ class LlamaCppEngine:
                     )
 
 
+_OWED_MAX = 4096  # unanswered commands remembered per worker
 _WARMUP = "warmup"  # the warm-up's request id (its prompt is not counted as traffic)
 _CLIENT_ERRORS = {"invalid_grammar": "response_format", "grammar_too_long": "max_tokens"}
 

@@ -98,7 +98,9 @@ its first scoring command
 (``logits`` or ``score``) with one line longer than the gateway's 16 MiB
 limit first, as vocabulary-sized rows once did; ``hang-up-at-decode`` closes its
 output at a request's first decode (not the warm-up's) and then never exits, as a
-worker wedged in a dying runtime can.
+worker wedged in a dying runtime can; ``hang-at-decode`` stops at a request's first
+decode (not the warm-up's) for ever, its output open, as a worker spinning in a
+runaway grammar did.
 
 ``--oom-flag PATH`` (set for a branch on a simulated device): while the file
 exists, the device is out of memory, and each new client sequence fails its
@@ -714,6 +716,12 @@ class Worker:
             s.first_scored < 0 for s in self.active.values()
         ):
             _die_of(signal.SIGILL)
+        if self._fault == "hang-at-decode" and any(
+            not s.rid.startswith("warmup") and s.first_scored < 0 for s in self.active.values()
+        ):
+            self.flush()
+            while True:
+                time.sleep(3600)
         if self._fault == "hang-up-at-decode" and any(
             not s.rid.startswith("warmup") and s.first_scored < 0 for s in self.active.values()
         ):
@@ -951,6 +959,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "oversize-line",
             "oom-at-decode",
             "hang-up-at-decode",
+            "hang-at-decode",
         ),
         help="test hook: fail on purpose (see the module docstring)",
     )
