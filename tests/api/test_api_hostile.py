@@ -514,3 +514,34 @@ async def llama(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[httpx
     app = create_app(load_settings(repo=repo, engine={"parallel": 2, "n_threads": 1}))
     async with serving(app) as (c, _):
         yield c
+
+
+LONG_BAD_LISTS = [
+    ("/v1/completions", {"prompt": [True] * 150_000}, "prompt"),  # all under 1 MiB
+    ("/v1/completions", {"prompt": [[True]] * 100_000}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{}] * 150_000}, "messages.0.role"),
+    ("/v1/chat/completions", {"stop": [""] * 200_000}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{}] * 150_000}]}, None),
+]
+
+
+@pytest.mark.parametrize(("path", "fields", "param"), LONG_BAD_LISTS)
+async def test_a_long_list_of_bad_items_is_one_error_not_one_per_item(
+    client: httpx.AsyncClient, path: str, fields: dict[str, Any], param: str | None
+) -> None:
+    """pydantic made one error per bad item, and turning 750,000 of them into dicts held
+    the event loop for seconds (a 1 MB body): a list stops at its first bad item."""
+    from pydantic import ValidationError
+
+    from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest, parse_body
+
+    base = CHAT if path == "/v1/chat/completions" else {"model": "tiny-llama", "prompt": "x"}
+    body = base | fields
+    schema = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
+    with pytest.raises(ValidationError) as caught:
+        parse_body(json.dumps(body).encode(), schema)
+    assert caught.value.error_count() <= 8
+    r = await post_json(client, path, body)
+    assert r.status_code == 400
+    if param is not None:
+        assert (r.json()["error"]["param"] or "").startswith(param.split(".")[0]), r.text

@@ -59,6 +59,7 @@ def _encodable(value: str) -> str:
 
 Str = Annotated[str, AfterValidator(_encodable)]
 Text = Annotated[str, Field(max_length=1 << 22), AfterValidator(_encodable)]
+_FIRST = Field(fail_fast=True)  # a list's first bad item is its error: not one per item
 Name = Annotated[str, Field(max_length=256), AfterValidator(_encodable)]
 
 
@@ -76,7 +77,7 @@ class _GenerationBase(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=1000, description="quantroute extension; 0 is off")
     n: int = Field(1, ge=1)
-    stop: Str | list[Annotated[Str, Field(min_length=1)]] | None = None
+    stop: Str | Annotated[list[Annotated[Str, Field(min_length=1)]], _FIRST] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -150,7 +151,7 @@ class ChatMessage(BaseModel):
     tool_call_id: (
         Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_encodable)] | None
     ) = None
-    content: Text | Annotated[list[TextPart], Field(min_length=1)] | None = Field(
+    content: Text | Annotated[list[TextPart], Field(min_length=1, fail_fast=True)] | None = Field(
         None, validate_default=True
     )
     name: Annotated[str, Field(max_length=64), AfterValidator(_encodable)] | None = None
@@ -196,7 +197,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(_GenerationBase):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -235,13 +236,14 @@ class ChatCompletionRequest(_GenerationBase):
 
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+_Lists = Annotated[list[Annotated[list[TokenId], Field(min_length=1, fail_fast=True)]], _FIRST]
 
 
 class CompletionRequest(_GenerationBase):
     """``prompt``: a string, a list of strings, a list of token ids, or a list of lists of
     token ids (ids are used as they are: no BOS is added)."""
 
-    prompt: Text | list[Text] | list[TokenId] | list[Annotated[list[TokenId], Field(min_length=1)]]
+    prompt: Text | Annotated[list[Text], _FIRST] | Annotated[list[TokenId], _FIRST] | _Lists
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
