@@ -80,11 +80,12 @@ class FieldError(ValueError):
 class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
 
-    def __init__(self, *, prompt_tokens: int, max_tokens: int, n_ctx: int):
+    def __init__(self, *, prompt_tokens: int, max_tokens: int, n_ctx: int, at_least: bool = False):
+        more = "at least " if at_least else ""  # counted from the prompt's size, not tokenized
         super().__init__(
             f"This model's maximum context length is {n_ctx} tokens. However, you requested "
-            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} "
-            "for the completion). Please reduce the prompt or max_tokens.",
+            f"{more}{prompt_tokens + max_tokens} tokens ({more}{prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
             param="messages",
         )
         self.prompt_tokens = prompt_tokens

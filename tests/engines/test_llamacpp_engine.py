@@ -128,6 +128,21 @@ async def test_context_window_is_enforced_before_start(engine: LlamaCppEngine) -
     assert (info.value.prompt_tokens, info.value.max_tokens, info.value.n_ctx) == (401, 200, 512)
 
 
+async def test_a_prompt_too_long_to_fit_is_refused_without_tokenizing_it(
+    engine: LlamaCppEngine,
+) -> None:
+    """llama.cpp's tokenizer took 100 s on a megabyte of one control character, holding
+    every other sequence of the worker; a prompt longer in bytes than the context's worth of
+    the longest token cannot fit, and is refused by its size at once."""
+    started = time.monotonic()
+    with pytest.raises(ContextLengthExceededError, match="at least") as info:
+        await _run(engine, _req("\x7f" * (1 << 20), max_tokens=4))
+    assert time.monotonic() - started < 5
+    assert info.value.prompt_tokens > 512 - 4 and info.value.n_ctx == 512
+    _text, fin, _ = await _run(engine, _req(max_tokens=2, ignore_eos=True))  # and it serves on
+    assert fin.completion_tokens == 2
+
+
 async def test_concurrent_requests_are_batched_not_queued(engine: LlamaCppEngine) -> None:
     n_tokens = 200
     req = _req(max_tokens=n_tokens, ignore_eos=True)

@@ -662,7 +662,10 @@ _CLIENT_ERRORS = {"invalid_grammar": "response_format", "grammar_too_long": "max
 def _worker_error(branch: str, event: dict[str, Any]) -> Exception:
     if event.get("code") == "context_length_exceeded":
         return ContextLengthExceededError(
-            prompt_tokens=event["pt"], max_tokens=event["max_tokens"], n_ctx=event["n_ctx"]
+            prompt_tokens=event["pt"],
+            max_tokens=event["max_tokens"],
+            n_ctx=event["n_ctx"],
+            at_least=bool(event.get("at_least")),
         )
     code = event.get("code")
     if code in _CLIENT_ERRORS:  # the request's own fault: a 400, not the branch's

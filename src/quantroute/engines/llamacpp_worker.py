@@ -241,6 +241,12 @@ class Worker:
         self.score_rows_per_step = max(16, _SCORE_BLOCK_ELEMENTS // self.n_vocab)
         self.batch = lc.llama_batch_init(self.n_batch, 0, 1)
         self._piece_buf = ctypes.create_string_buffer(256)
+        # The longest token's text: a prompt of B bytes has at least B / this many tokens,
+        # so one that cannot fit the context is refused without tokenizing it (llama.cpp's
+        # tokenizer is quadratic in some long runs: 100 s for a megabyte of one character).
+        self.max_piece_bytes = max(
+            1, max((len(self.piece_bytes(t, True)) for t in range(self.n_vocab)), default=1)
+        )
         self.slots = PromptCache(self.parallel, enabled=args.prompt_cache)  # the free ones
         self.active: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
@@ -393,7 +399,23 @@ class Worker:
             if not prompt or any(not 0 <= t < self.n_vocab for t in prompt):
                 raise ValueError("a prompt token id is outside the vocabulary")
         else:
-            prompt = self.tokenize(cmd["prompt"], bool(cmd.get("special")))
+            text = cmd["prompt"]
+            fewest = -(-len(text.encode("utf-8", "surrogatepass")) // self.max_piece_bytes)
+            least = 1 if s.get("fit_context") else int(s["max_tokens"])
+            if fewest + least > self.n_ctx:  # it cannot fit, whatever it tokenizes to
+                self.emit(
+                    {
+                        "ev": "err",
+                        "id": rid,
+                        "code": "context_length_exceeded",
+                        "pt": fewest,
+                        "at_least": True,
+                        "max_tokens": least,
+                        "n_ctx": self.n_ctx,
+                    }
+                )
+                return
+            prompt = self.tokenize(text, bool(cmd.get("special")))
         max_tokens = int(s["max_tokens"])
         if s.get("fit_context"):
             max_tokens = max(1, min(max_tokens, self.n_ctx - len(prompt)))
