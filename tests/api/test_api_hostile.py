@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 import shutil
 from collections.abc import AsyncIterator
 from typing import Any
@@ -545,3 +546,20 @@ async def test_a_long_list_of_bad_items_is_one_error_not_one_per_item(
     assert r.status_code == 400
     if param is not None:
         assert (r.json()["error"]["param"] or "").startswith(param.split(".")[0]), r.text
+
+
+async def test_a_client_that_leaves_mid_body_is_no_error(caplog: pytest.LogCaptureFixture) -> None:
+    """Each such connection logged an ERROR with a traceback: a way to flood the log."""
+    async with live(fake_app()) as port:
+        for _ in range(5):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n{"
+            )
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.close()
+        await asyncio.sleep(0.3)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            assert (await http.get("/healthz")).status_code == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

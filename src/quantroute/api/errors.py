@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
@@ -259,6 +260,9 @@ class InternalErrorMiddleware:
 
         try:
             await self.app(scope, receive, tracked)
+        except ClientDisconnect:  # it left while sending its body: nobody to answer, no bug
+            method, path = scope.get("method"), scope.get("path")
+            log.debug("%s %s: the client left before its body was read", method, path)
         except Exception:
             if started:
                 raise
