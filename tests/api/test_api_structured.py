@@ -160,3 +160,96 @@ async def test_completions_take_a_schema_too(client: httpx.AsyncClient) -> None:
     r = await client.post("/v1/completions", json=body | {"seed": 3})
     assert r.status_code == 200, r.text
     jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), SCHEMA)
+
+
+COUNTRIES = ["US", "CA", "MX", "GB", "FR", "DE", "IT", "ES", "PT", "NL", "BE", "LU", "CH",
+             "AT", "DK", "NO", "SE", "FI", "IS", "IE", "PL", "CZ", "SK", "HU", "RO", "BG",
+             "GR", "TR", "CY", "MT", "SI", "HR", "RS", "BA", "ME", "AL", "MK", "UA", "MD",
+             "LT", "LV", "EE", "JP", "KR", "CN", "IN", "AU", "NZ", "BR", "AR"]  # fmt: skip
+#: The shape of a real structured-output schema: nested objects, arrays up to 50 items,
+#: date and e-mail patterns, enums of about 50 values, optional and nullable fields.
+#: (Patterns spell classes out, [0-9] and [.]: llama.cpp's converter copies regex
+#: escapes such as \d and \. into the grammar, and llama.cpp's parser refuses them.)
+REALISTIC: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "order": {"type": "string", "pattern": "^ORD-[0-9]{6}$"},
+        "placed": {"type": "string", "format": "date"},
+        "due": {"type": "string", "pattern": "^[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])$"},
+        "contact": {
+            "type": "object",
+            "properties": {
+                "email": {
+                    "type": "string",
+                    "pattern": "^[a-z0-9._%+-]{1,32}@[a-z0-9-]{1,32}([.][a-z]{2,8}){1,3}$",
+                },
+                "phone": {"anyOf": [{"type": "string", "pattern": "^[+]?[0-9]{7,15}$"},
+                                    {"type": "null"}]},
+                "country": {"enum": COUNTRIES},
+            },
+            "required": ["email", "country"],
+            "additionalProperties": False,
+        },
+        "lines": {
+            "type": "array",
+            "maxItems": 50,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                    "qty": {"type": "integer"},
+                    "unit": {"enum": ["each", "box", "kg", "g", "l", "ml", "m", "cm"]},
+                    "tags": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                             "maxItems": 5},
+                },
+                "required": ["sku", "qty", "unit"],
+                "additionalProperties": False,
+            },
+        },
+        "status": {"enum": [f"status_{i:02d}" for i in range(48)] + ["done", "cancelled"]},
+        "note": {"type": ["string", "null"], "description": "free text"},
+    },
+    "required": ["order", "placed", "contact", "lines", "status"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+async def test_a_realistic_schema_is_accepted_and_every_reply_validates(
+    client: httpx.AsyncClient,
+) -> None:
+    """Inside every bound on a grammar's cost (engines/grammar.py) with room to spare."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "order", "schema": REALISTIC}}
+    bodies = [
+        CHAT | {"response_format": fmt, "temperature": 1.0, "seed": i, "max_tokens": 400}
+        | {"stream": i % 2 == 1}
+        for i in range(8)
+    ]  # fmt: skip
+    validator = jsonschema.Draft202012Validator(REALISTIC)
+    for texts in await asyncio.gather(*(_contents(client, body) for body in bodies)):
+        for text in texts:
+            validator.validate(json.loads(text))
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "pattern": "^((a?){256}){256}$"},  # wedged a worker for good
+        {"type": "string", "pattern": "^(" + "|".join(["ab"] * 30_000) + ")$"},  # 56 s
+        {"enum": [{"a": [i]} for i in range(20_000)]},  # over 60 s
+        {"type": "string", "pattern": "^\ud800$"},  # the worker could not read its command
+    ],
+)
+async def test_schemas_that_stalled_or_broke_a_worker_are_a_fast_400(
+    client: httpx.AsyncClient, schema: dict[str, Any]
+) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    start = asyncio.get_running_loop().time()
+    r = await client.post(
+        "/v1/chat/completions", content=json.dumps(CHAT | {"response_format": fmt})
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith("response_format")
+    assert asyncio.get_running_loop().time() - start < 1.0
+    body = CHAT | {"max_tokens": 4}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text  # every branch still serves

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from quantroute.api.tools import STRICT, NamedToolChoice, Tool
+from quantroute.api.tools import STRICT, NamedToolChoice, Tool, encodable
 from quantroute.engines.grammar import (
     SchemaError,
     check_schema,
@@ -39,7 +39,7 @@ class JsonObjectFormat(BaseModel):
 class JsonSchemaSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
-    description: str | None = Field(None, max_length=1 << 16)
+    description: Annotated[str, AfterValidator(encodable)] | None = Field(None, max_length=1 << 16)
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = None  # enforced either way
 

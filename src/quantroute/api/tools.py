@@ -29,9 +29,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from quantroute.engines.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from quantroute.engines.grammar import (
+    SURROGATES,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    lone_surrogates,
+)
 from quantroute.engines.stops import partial_suffix
 
 __all__ = [
@@ -41,19 +46,32 @@ __all__ = [
     "Tool",
     "ToolCallIn",
     "ToolCallStream",
+    "encodable",
     "split_calls",
     "template_messages",
 ]
 
 STRICT = ConfigDict(extra="forbid", strict=True)  # request models: typed, nothing extra
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")]
+_IN_STRINGS = "strings must not hold lone surrogates (\\ud800-\\udfff)"  # as api.schemas
+
+
+def encodable(value: Any) -> Any:
+    """A string, or a JSON value's keys and strings, with no lone surrogate (``"\\ud800"``):
+    no encoder can write one out, and a worker handed one could not read its command.
+    Refused here, before any grammar, prompt or queue, as ``api.schemas`` refuses them in
+    the request's other strings."""
+    if lone_surrogates(value):
+        raise ValueError(_IN_STRINGS if isinstance(value, str) else SURROGATES)
+    return value
 
 
 class FunctionDef(BaseModel):
     model_config = STRICT
     name: Name
-    description: str | None = Field(None, max_length=1 << 16)
-    parameters: dict[str, Any] | None = None
+    description: Annotated[str, AfterValidator(encodable)] | None = Field(None, max_length=1 << 16)
+    # every key and string, whatever tool_choice is: they reach the prompt, or a grammar
+    parameters: Annotated[dict[str, Any], AfterValidator(encodable)] | None = None
     strict: bool | None = None  # always enforced when the call is forced
 
     @property
@@ -81,14 +99,15 @@ class NamedToolChoice(BaseModel):
 class _CalledFunction(BaseModel):
     model_config = STRICT
     name: Name
-    arguments: str = Field(max_length=1 << 20)  # JSON text, as OpenAI sends it
+    # JSON text, as OpenAI sends it
+    arguments: Annotated[str, AfterValidator(encodable)] = Field(max_length=1 << 20)
 
 
 class ToolCallIn(BaseModel):
     """A call in an earlier assistant message."""
 
     model_config = STRICT
-    id: str = Field(min_length=1, max_length=256)
+    id: Annotated[str, AfterValidator(encodable)] = Field(min_length=1, max_length=256)
     type: Literal["function"]
     function: _CalledFunction
 

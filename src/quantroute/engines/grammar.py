@@ -30,11 +30,14 @@ from types import ModuleType
 from typing import Any
 
 __all__ = [
+    "SURROGATES",
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
     "SchemaError",
     "check_schema",
+    "check_strings",
     "json_object_grammar",
+    "lone_surrogates",
     "schema_grammar",
     "tool_call_grammar",
 ]
@@ -90,7 +93,20 @@ _MAX_SCHEMA_NODES = 2000
 _MAX_MINIMUM = 256  # minLength, minItems, a pattern's {n}
 _MAX_MAXIMUM = 512  # maxLength, maxItems, a pattern's {n,m} (llama.cpp refuses ~1000)
 _MAX_GRAMMAR_CHARS = 1 << 20
+_MAX_GRAMMAR_RULES = 8192
+# Bounds on what llama.cpp's grammar sampler must follow at once. It keeps one stack per
+# way the text so far can be read, checks every candidate token against each, and dedups
+# them pairwise: a grammar that allows many readings at once costs each token that many
+# times over (a pattern ((a?){256}){256}, 65,536 readings, never finished a token; a
+# 30,000-way alternation took 56 s). Real schemas stay far below these.
+_MAX_PATTERN_SIZE = 2048  # a pattern's positions, nested {n,m} multiplied (one "a{n}" = n)
+_MAX_PATTERN_ALTERNATIVES = 256  # a pattern's branches: one more than its "|", in all
+_MAX_PATTERN_READINGS = 256  # a pattern's positions open at once: (a?){256} has 256
+_MAX_ENUM = 500  # an enum's values
+_MAX_VALUE_CHARS = 1 << 16  # the JSON text of every enum and const value of a schema
+_MAX_BREADTH = 1024  # alternatives open at once: anyOf, type lists, enum, through $ref
 _REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _LOOSE_CHAR = r'char ::= [^"\\] | '
 _JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] | '
 
@@ -124,7 +140,10 @@ def json_object_grammar() -> str:
 
 def check_schema(schema: Any, where: str = "schema") -> None:
     """Raise :class:`SchemaError` naming the first keyword of ``schema`` that the grammar
-    would not enforce, or anything that is not a JSON schema object."""
+    would not enforce, anything that is not a JSON schema object, and any schema whose
+    grammar would be too large or too slow for llama.cpp's sampler to follow."""
+    check_strings(schema, where)
+    value_chars = 0
     for count, (path, node) in enumerate(_nodes(schema, where), 1):
         if count > _MAX_SCHEMA_NODES:
             raise SchemaError(f"{where} has more than {_MAX_SCHEMA_NODES} subschemas")
@@ -157,7 +176,59 @@ def check_schema(schema: Any, where: str = "schema") -> None:
         ):
             raise SchemaError(f"{path}.pattern: only anchored patterns (^...$) are supported")
         _counts(path, node)
+        value_chars += _values(path, node)
+        if value_chars > _MAX_VALUE_CHARS:
+            raise SchemaError(
+                f"{where}: its enum and const values may hold at most {_MAX_VALUE_CHARS} "
+                "characters of JSON in all"
+            )
         _combination(path, node)
+    if _breadth(schema) > _MAX_BREADTH:
+        raise SchemaError(
+            f"{where}: at most {_MAX_BREADTH} alternatives may be open at once (the values "
+            "of an enum, anyOf branches, types in a list and a pattern's | branches add up, "
+            "through $ref too)"
+        )
+
+
+def check_strings(value: Any, where: str) -> None:
+    """Raise :class:`SchemaError` when a key or a string anywhere in ``value`` (a JSON
+    value) holds a lone surrogate (JSON's ``"\\ud800"``): no encoder can write it out,
+    and a worker handed one could not read its command."""
+    if lone_surrogates(value):
+        raise SchemaError(f"{where}: {SURROGATES}")
+
+
+SURROGATES = "keys and strings must not hold lone surrogates (\\ud800-\\udfff)"
+
+
+def lone_surrogates(value: Any) -> bool:
+    """Whether a key or a string anywhere in ``value`` (a JSON value, or a string) holds a
+    lone surrogate; anything ``json`` cannot write counts as one."""
+    try:
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        return True
+    return _SURROGATE.search(text) is not None
+
+
+def _values(path: str, node: dict[str, Any]) -> int:
+    """Check ``enum`` (a list of values, not too many); the characters of JSON its values
+    and ``const`` make (the grammar spells each one out)."""
+    values = []
+    if "enum" in node:
+        enum = node["enum"]
+        if not isinstance(enum, list) or not enum:
+            raise SchemaError(f"{path}.enum must be a non-empty list of values")
+        if len(enum) > _MAX_ENUM:
+            raise SchemaError(f"{path}.enum may have at most {_MAX_ENUM} values")
+        values += enum
+    if "const" in node:
+        values.append(node["const"])
+    try:
+        return sum(len(json.dumps(value)) for value in values)
+    except (TypeError, ValueError, RecursionError):
+        raise SchemaError(f"{path}: enum and const values must be JSON values") from None
 
 
 def _counts(path: str, node: dict[str, Any]) -> None:
@@ -175,6 +246,9 @@ def _counts(path: str, node: dict[str, Any]) -> None:
             raise SchemaError(f"{path}.{key} must be a non-negative integer")
         if value > limit:
             raise SchemaError(f"{path}.{key} may be at most {limit}")
+    for low, high in (("minLength", "maxLength"), ("minItems", "maxItems")):
+        if node.get(low, 0) > node.get(high, _MAX_MAXIMUM):  # no value could have both
+            raise SchemaError(f"{path}.{low} is more than {high}")
     pattern = node.get("pattern")
     if isinstance(pattern, str):
         for low, high in _REPEAT.findall(pattern):
@@ -183,6 +257,186 @@ def _counts(path: str, node: dict[str, Any]) -> None:
                     f"{path}.pattern: a repetition count may be at most {_MAX_MINIMUM} "
                     f"(a minimum) or {_MAX_MAXIMUM} (a maximum)"
                 )
+        size, readings = _pattern_size(f"{path}.pattern", pattern[1:-1])
+        if size > _MAX_PATTERN_SIZE:
+            raise SchemaError(
+                f"{path}.pattern may spell out at most {_MAX_PATTERN_SIZE} characters with "
+                "every repetition expanded to its largest count (nested counts multiply)"
+            )
+        if readings > _MAX_PATTERN_READINGS:
+            raise SchemaError(
+                f"{path}.pattern may leave at most {_MAX_PATTERN_READINGS} positions open at "
+                "once (optional items in a row, each repetition of them multiplying)"
+            )
+
+
+# A pattern's item as the sampler meets it: (characters once expanded, positions it may
+# start at, whether it can match nothing, most positions open at once inside it).
+_Item = tuple[int, int, bool, int]
+
+
+def _repeated(item: _Item, least: int, most: int | None) -> _Item:
+    size, first, empty, readings = item
+    times = max(most if most is not None else least + 1, 1)
+    if empty:  # a run of copies that can each match nothing: all of them open at once
+        return size * times, first * times, True, readings + first * (times - 1)
+    more = first if times > 1 and (most is None or most > least) else 0  # or stop here
+    return size * times, first, least == 0, readings + more
+
+
+def _sequence(items: list[_Item]) -> _Item:
+    size = sum(item[0] for item in items)
+    first, empty, readings, run = 0, True, 0, 0
+    for _, item_first, item_empty, item_readings in items:
+        if empty:
+            first += item_first
+            empty = item_empty
+        # open at once: this item's start, from anywhere in the skippable run before it
+        readings = max(readings, item_readings, run + item_first)
+        run = run + item_first if item_empty else 0
+    return size, first, empty, readings
+
+
+def _alternatives(branches: list[_Item]) -> _Item:
+    first = sum(b[1] for b in branches)  # branches may share a beginning: all open
+    readings = max(first, *(b[3] for b in branches))
+    return sum(b[0] for b in branches), first, any(b[2] for b in branches), readings
+
+
+def _pattern_size(where: str, body: str) -> tuple[int, int]:
+    """What the pattern ``body`` (the part between ``^`` and ``$``) costs the sampler, read
+    the way the converter reads it: the characters it spells out once every ``{n,m}`` is
+    expanded to its largest count (nested counts multiply; ``*``, ``+`` and ``?`` count
+    their item once, a group its branches together) and how many positions may be open
+    at once (its readings: a run of items that can each match nothing, as in
+    ``(a?){256}``, keeps them all open). Refuse more than so many ``|``, what is no
+    regular expression (an unbalanced bracket, a quantifier of nothing, ``{n,m}`` with
+    n > m) and a ``|`` outside parentheses, which the converter would join to the
+    string's quotes."""
+    # per open group: its finished branches, and the items of the branch being read
+    groups: list[tuple[list[_Item], list[_Item]]] = [([], [])]
+    bars = 0
+    i, n = 0, len(body)
+    while i < n:
+        c = body[i]
+        branches, items = groups[-1]
+        if c in "*+?{":
+            if not items:
+                raise SchemaError(f"{where}: a quantifier repeats nothing")
+            least, most = {"*": (0, None), "+": (1, None), "?": (0, 1)}.get(c, (0, 0))
+            i += 1
+            if c == "{":
+                end = body.find("}", i)
+                if end < 0:
+                    raise SchemaError(f"{where}: a {{ is not closed")
+                low, comma, high = body[i:end].partition(",")
+                try:
+                    least = int(low) if low.strip() or not comma else 0
+                    most = int(high) if high.strip() else None if comma else least
+                except ValueError:
+                    raise SchemaError(f"{where}: a {{...}} is not a repetition count") from None
+                if most is not None and most < least:
+                    raise SchemaError(f"{where}: a repetition count {{n,m}} has n > m")
+                i = end + 1
+            items[-1] = _repeated(items[-1], least, most)
+            continue
+        if c == "(":
+            groups.append(([], []))
+            i += 1
+            continue
+        if c == "|":
+            if len(groups) == 1:
+                raise SchemaError(f"{where}: a | outside parentheses is not supported: ^(a|b)$")
+            bars += 1
+            if bars >= _MAX_PATTERN_ALTERNATIVES:  # said before reading on
+                raise SchemaError(
+                    f"{where} may have at most {_MAX_PATTERN_ALTERNATIVES} alternatives (|)"
+                )
+            branches.append(_sequence(items))
+            items.clear()
+            i += 1
+            continue
+        if c == ")":
+            if len(groups) == 1:
+                raise SchemaError(f"{where}: a ) closes no (")
+            groups.pop()
+            groups[-1][1].append(_alternatives([*branches, _sequence(items)]))
+            i += 1
+            continue
+        if c == "[":
+            i += 1
+            while i < n and body[i] != "]":
+                i += 2 if body[i] == "\\" else 1
+            if i >= n:
+                raise SchemaError(f"{where}: a [ is not closed")
+        elif c == "\\":
+            i += 1  # the escaped character is the item
+        i += 1
+        items.append((1, 1, False, 1))
+    if len(groups) > 1:
+        raise SchemaError(f"{where}: a ( is not closed")
+    size, _, _, readings = _sequence(groups[0][1])
+    return size, max(readings, 1)
+
+
+def _breadth(schema: Any) -> int:
+    """How many alternatives of ``schema`` may be open at once, at most: the sampler keeps
+    a stack for each. The branches of an ``anyOf`` (and the types of a list, the values
+    of an enum, a pattern's ``|`` branches) may share a beginning, so they add up; the
+    properties of an object and the items of an array follow one another, so the widest
+    counts (an additional property may read as any named one: it adds)."""
+    root = schema
+    memo: dict[int, int] = {}
+    open_refs: set[str] = set()
+
+    def ref_target(ref: str) -> Any:
+        target = root
+        for part in ref.split("#")[-1].split("/")[1:]:
+            if not isinstance(target, dict) or part not in target:
+                return None
+            target = target[part]
+        return target
+
+    def visit(node: Any) -> int:
+        if not isinstance(node, dict):
+            return 1
+        if id(node) in memo:
+            return memo[id(node)]
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            if ref in open_refs:  # recursion: the stack grows deeper, not wider
+                return 1
+            open_refs.add(ref)
+            width = visit(ref_target(ref))
+            open_refs.discard(ref)
+        elif isinstance(node.get("anyOf"), list):
+            width = sum(visit(branch) for branch in node["anyOf"])
+        elif isinstance(node.get("type"), list):
+            width = len(node["type"])
+        elif isinstance(node.get("enum"), list):
+            width = len(node["enum"])
+        elif isinstance(node.get("pattern"), str):  # checked by _counts already
+            width = _pattern_size("pattern", node["pattern"][1:-1])[1]
+        else:
+            width = 1
+            properties = node.get("properties")
+            if isinstance(properties, dict):
+                width = max([width, *map(visit, properties.values())])
+            for key in ("items", "prefixItems"):
+                child = node.get(key)
+                for item in child if isinstance(child, list) else [child]:
+                    if isinstance(item, dict):
+                        width = max(width, visit(item))
+            extra = node.get("additionalProperties")
+            if isinstance(extra, dict):
+                width += visit(extra)
+        memo[id(node)] = width
+        return width
+
+    try:
+        return visit(schema)
+    except RecursionError:
+        raise SchemaError("the schema is nested too deep") from None
 
 
 #: Keywords the converter reads only when another one is there (else it drops them).
@@ -266,11 +520,14 @@ def _convert(schemas: Sequence[tuple[str, Any]]) -> str:
             resolved = converter.resolve_refs(copy.deepcopy(schema), name)
             converter.visit(resolved, name)
         grammar: str = converter.format_grammar()
+        rules = len(converter._rules)
     except (AssertionError, KeyError, TypeError, ValueError, RecursionError, IndexError):
         # the converter's message quotes the schema: say what, not what it held
         raise SchemaError("the schema cannot be turned into a grammar") from None
     if len(grammar) > _MAX_GRAMMAR_CHARS:
         raise SchemaError(f"the schema's grammar is over {_MAX_GRAMMAR_CHARS >> 10} KiB")
+    if rules > _MAX_GRAMMAR_RULES:
+        raise SchemaError(f"the schema's grammar has over {_MAX_GRAMMAR_RULES} rules")
     return grammar.replace(_LOOSE_CHAR, _JSON_CHAR)
 
 
