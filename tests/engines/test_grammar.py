@@ -256,9 +256,25 @@ SCHEMA = {
 }
 
 
+ESCAPED = {  # the escapes real schemas use (llama.cpp refused them as they were)
+    "type": "object",
+    "properties": {
+        "day": {"type": "string", "pattern": "^\\d{4}-\\d{2}-\\d{2}$"},
+        "mail": {"type": "string", "pattern": "^[\\w.+-]{1,8}@[a-z]{1,8}\\.[a-z]{2,3}$"},
+        "code": {"type": "string", "pattern": "^\\S{2}\\s\\D\\-\\u00e9$"},
+    },
+    "required": ["day", "mail", "code"],
+    "additionalProperties": False,
+}
+
+
 @pytest.mark.parametrize(
     ("grammar", "schema"),
-    [(json_object_grammar(), {"type": "object"}), (schema_grammar(SCHEMA), SCHEMA)],
+    [
+        (json_object_grammar(), {"type": "object"}),
+        (schema_grammar(SCHEMA), SCHEMA),
+        (schema_grammar(ESCAPED), ESCAPED),
+    ],
 )
 def test_the_closing_path_ends_valid_from_anywhere(
     vocab: tuple[Any, int, list[bytes], list[int]], grammar: str, schema: dict[str, Any]
@@ -351,3 +367,10 @@ def test_grammars_at_the_cost_bounds_step_quickly_on_llama_cpps_sampler(
         assert g.closing_length(4096) is not None
     finally:
         g.close()
+
+
+@pytest.mark.parametrize("pattern", ["^a\\bc$", "^(a)\\1$", "^[\\S]$", "^\\p{L}$"])
+def test_escapes_with_no_class_are_refused_without_quoting(pattern: str) -> None:
+    with pytest.raises(SchemaError) as caught:
+        schema_grammar({"type": "string", "pattern": pattern})
+    assert "escape" in str(caught.value) or "pattern" in str(caught.value)

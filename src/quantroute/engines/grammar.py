@@ -517,10 +517,12 @@ def _convert(schemas: Sequence[tuple[str, Any]]) -> str:
     )
     try:
         for name, schema in schemas:
-            resolved = converter.resolve_refs(copy.deepcopy(schema), name)
+            resolved = converter.resolve_refs(_with_classes(copy.deepcopy(schema)), name)
             converter.visit(resolved, name)
         grammar: str = converter.format_grammar()
         rules = len(converter._rules)
+    except SchemaError:
+        raise  # ours, worded already
     except (AssertionError, KeyError, TypeError, ValueError, RecursionError, IndexError):
         # the converter's message quotes the schema: say what, not what it held
         raise SchemaError("the schema cannot be turned into a grammar") from None
@@ -529,6 +531,68 @@ def _convert(schemas: Sequence[tuple[str, Any]]) -> str:
     if rules > _MAX_GRAMMAR_RULES:
         raise SchemaError(f"the schema's grammar has over {_MAX_GRAMMAR_RULES} rules")
     return grammar.replace(_LOOSE_CHAR, _JSON_CHAR)
+
+
+# A pattern's escapes, as classes GBNF reads (the converter copies escapes as they are, and
+# llama.cpp refuses "\d"): outside brackets a whole class, inside one its members. The
+# pattern matches a JSON string's text, where a tab or a line break is never raw: "\s" is a
+# space there, and a negated class leaves out what JSON must escape (", \, controls).
+_CLASS_MEMBERS = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " "}
+_NEGATED = {"D": "d", "W": "w", "S": "s"}
+_NOT_RAW_IN_JSON = '"\\\\\\x00-\\x1F'  # GBNF class members: " \ and U+0000..U+001F
+_KEEP = {"t": "\\t", "n": "\\n", "r": "\\r"}
+_DATA_KEYS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
+
+
+def _with_classes(node: Any) -> Any:
+    """``node`` (a schema, changed in place) with each ``pattern``'s escapes rewritten."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "pattern" and isinstance(value, str):
+                node[key] = _escapes_as_classes(value)
+            elif key not in _DATA_KEYS:
+                _with_classes(value)
+    elif isinstance(node, list):
+        for value in node:
+            _with_classes(value)
+    return node
+
+
+def _escapes_as_classes(pattern: str) -> str:
+    """``\\d``, ``\\w``, ``\\s`` (and their negations), ``\\t``, ``\\n``, ``\\r``,
+    ``\\uXXXX`` and an escaped punctuation character, as GBNF character classes (members
+    inside brackets); any other escape (``\\b``, a backreference) is a :class:`SchemaError`."""
+    out: list[str] = []
+    inside = False
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c != "\\":
+            if c == "[" and not inside:
+                inside = True
+            elif c == "]" and inside:
+                inside = False
+            out.append(c)
+            i += 1
+            continue
+        e = pattern[i + 1 : i + 2]
+        i += 2
+        if e in _CLASS_MEMBERS:
+            out.append(_CLASS_MEMBERS[e] if inside else f"[{_CLASS_MEMBERS[e]}]")
+        elif e in _NEGATED and not inside:
+            out.append(f"[^{_CLASS_MEMBERS[_NEGATED[e]]}{_NOT_RAW_IN_JSON}]")
+        elif e in _KEEP:
+            out.append(_KEEP[e] if inside else f"[{_KEEP[e]}]")
+        elif e == "u" and re.fullmatch(r"[0-9A-Fa-f]{4}", pattern[i : i + 4]):
+            member = "\\u" + pattern[i : i + 4]
+            out.append(member if inside else f"[{member}]")
+            i += 4
+        elif len(e) == 1 and e.isascii() and not e.isalnum() and e != "_":
+            member = f"\\x{ord(e):02X}"
+            out.append(member if inside else f"[{member}]")
+        else:
+            raise SchemaError("pattern: an escape this server does not support (\\b, \\1...)")
+    return "".join(out)
 
 
 def schema_grammar(schema: Any, where: str = "json_schema.schema") -> str:
