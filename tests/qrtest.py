@@ -5,6 +5,7 @@ import contextlib
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 from fastapi import FastAPI
@@ -85,13 +86,16 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def live(app: FastAPI) -> AsyncIterator[int]:
-    """The app under uvicorn in this event loop, on a real loopback socket: its port."""
+async def live(app: FastAPI, **config: Any) -> AsyncIterator[int]:
+    """The app under uvicorn in this event loop, on a real loopback socket: its port
+    (``config``: more of ``uvicorn.Config``'s arguments, ``http=`` say)."""
     import uvicorn
 
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical", lifespan="on")
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="critical", lifespan="on", **config
+        )
     )
     task = asyncio.create_task(server.serve())
     try:

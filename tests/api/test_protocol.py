@@ -8,12 +8,11 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
-import uvicorn
 
-from qrtest import demo_model_dir, fake_app, fake_table, free_port, serve_process
+from qrtest import demo_model_dir, fake_app, fake_table, live, serve_process
 from quantroute.api.app import create_app
 from quantroute.api.protocol import bounded
 from quantroute.config import load_settings
@@ -22,25 +21,8 @@ from quantroute.engines.fake import FakeEngine
 TIMEOUT_S = 0.5
 
 
-@contextlib.asynccontextmanager
-async def _bounded(app: object, max_head_bytes: int = 8192) -> AsyncIterator[int]:
-    port = free_port()
-    config = uvicorn.Config(
-        app,  # type: ignore[arg-type]
-        host="127.0.0.1",
-        port=port,
-        log_level="critical",
-        http=bounded(max_head_bytes, TIMEOUT_S),
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    try:
-        while not server.started:  # noqa: ASYNC110 (uvicorn has no event to wait on)
-            await asyncio.sleep(0.01)
-        yield port
-    finally:
-        server.should_exit = True
-        await task
+def _bounded(app: object, max_head_bytes: int = 8192) -> Any:
+    return live(app, http=bounded(max_head_bytes, TIMEOUT_S))  # type: ignore[arg-type]
 
 
 async def _exchange(port: int, head: bytes) -> bytes:
