@@ -143,6 +143,40 @@ async def test_a_prompt_too_long_to_fit_is_refused_without_tokenizing_it(
     assert fin.completion_tokens == 2
 
 
+async def test_a_slow_prompt_is_tokenized_while_the_other_sequences_decode() -> None:
+    """llama.cpp's tokenizer is quadratic on a long run of one character (200 KB of one
+    takes about 1.5 s here); tokenized on the decode loop, such a prompt held every other
+    sequence of the worker until it was done. It is tokenized on a thread of its own."""
+    engine = await _engine(parallel=2, n_ctx=65536)  # 5-byte tokens at most: 320 KB may fit
+    try:
+        stamps: list[float] = []
+        going = asyncio.Event()
+
+        async def decode() -> None:
+            async for ev in engine.generate(_req(max_tokens=60_000, ignore_eos=True)):
+                if isinstance(ev, TokenEvent):
+                    stamps.append(time.perf_counter())
+                    if len(stamps) == 10:
+                        going.set()
+
+        decoding = asyncio.create_task(decode())
+        await asyncio.wait_for(going.wait(), 30)
+        started = time.perf_counter()
+        with pytest.raises(ContextLengthExceededError) as info:  # tokenized: 200,001 tokens
+            await _run(engine, _req("\x7f" * 200_000, max_tokens=1))
+        took = time.perf_counter() - started
+        assert info.value.prompt_tokens == 200_001 and "at least" not in str(info.value)
+        during = [t for t in stamps if started <= t <= started + took]
+        decoding.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await decoding
+        assert took > 0.5, took  # the tokenizer did take a while
+        gaps = np.diff([started, *during, started + took])
+        assert gaps.max() < min(0.25, took / 3), (took, gaps.max(), len(during))
+    finally:
+        await engine.stop()
+
+
 async def test_concurrent_requests_are_batched_not_queued(engine: LlamaCppEngine) -> None:
     n_tokens = 200
     req = _req(max_tokens=n_tokens, ignore_eos=True)

@@ -77,6 +77,13 @@ shortest output is longer than ``max_tokens`` ``grammar_too_long``.
 Scheduling is continuous batching: every step puts the next token of every
 decoding sequence and a slice of any waiting prompt into one ``llama_decode``.
 
+Prompts are tokenized off the decode loop (``engines/tokenizer.py``): the reader
+thread hands each command's text prompt to a tokenizer thread as it arrives, and the
+loop admits the command once its tokens are ready, stepping the other sequences
+meanwhile (a long prompt, or one of llama.cpp's quadratic inputs, used to hold every
+sequence). A ``gen`` whose bytes alone say it cannot fit the context is refused
+without tokenizing it.
+
 Prompt caching (``engines/prompt_cache.py``; off with ``--no-prompt-cache``): a
 finished generation leaves its KV cells in its slot; a new ``gen`` takes the free
 slot whose cells share the longest prefix with its prompt (else the least recently
@@ -142,6 +149,7 @@ from quantroute.engines.sampling import (
 )
 from quantroute.engines.scoring import Comparison, LogitsDump, ScoringJob
 from quantroute.engines.stops import StopMatcher
+from quantroute.engines.tokenizer import Pending, PromptTokenizer
 
 log = logging.getLogger("quantroute.worker")
 
@@ -150,6 +158,8 @@ MAX_EVENT_BYTES = 1 << 20
 16 MiB (``engines/supervisor.py``), so a refused event never reaches that limit."""
 OVERSIZE_LINE_BYTES = (1 << 24) + 1  # the ``oversize-line`` fault: past the gateway's limit
 _SCORE_BLOCK_ELEMENTS = 1 << 22  # scored logits per decode step, at most (16 MiB of float32)
+_TOKENIZED = {"op": "tokenized"}  # the tokenizer thread's wake-up: a held prompt is ready
+_ADMITTED = ("gen", "logits", "score")  # the commands that bring a prompt
 
 
 @dataclass(slots=True)
@@ -251,6 +261,10 @@ class Worker:
         self.active: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
         self.commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        # Prompts are tokenized on a thread of their own (engines/tokenizer.py); a command
+        # is held here, in arrival order, until its prompt's tokens are ready.
+        self._prompts = PromptTokenizer(self.tokenize, lambda: self.commands.put(_TOKENIZED))
+        self.held: deque[dict[str, Any]] = deque()
         self.running = True
         self._closing_order: ClosingOrder | None = None  # made with the first grammar
         self.chains_open = 0  # sampler chains built and not yet freed (a test reads it)
@@ -334,10 +348,40 @@ class Worker:
     def read_commands(self, stream: IO[bytes]) -> None:
         for line in stream:
             try:
-                self.commands.put(json.loads(line))
+                cmd = json.loads(line)
             except json.JSONDecodeError:
                 log.error("worker: unreadable command dropped")
+                continue
+            self._start_tokenizing(cmd)
+            self.commands.put(cmd)
         self.commands.put(None)  # the gateway closed our stdin: shut down
+
+    def _start_tokenizing(self, cmd: Any) -> None:
+        """On the reader thread: hand a command's text prompt to the tokenizer thread, its
+        ``Pending`` riding along as ``cmd["_pending"]``; not a ``gen`` whose size alone
+        refuses it (``admit`` says so, untokenized)."""
+        if not isinstance(cmd, dict):
+            return
+        cmd.pop("_pending", None)  # ours alone
+        text = cmd.get("prompt")
+        if cmd.get("op") not in _ADMITTED or not isinstance(text, str):
+            return
+        if cmd.get("op") == "gen" and (
+            cmd.get("prompt_ids") is not None or self.fewest_tokens(text) >= self.n_ctx
+        ):
+            return
+        cmd["_pending"] = self._prompts.submit(text, bool(cmd.get("special")))
+
+    def fewest_tokens(self, text: str) -> int:
+        """The fewest tokens ``text`` can be: its bytes over the longest token's."""
+        return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_piece_bytes)
+
+    def prompt_tokens(self, cmd: dict[str, Any], text: str) -> list[int]:
+        """A command's prompt tokens: the tokenizer thread's, else tokenized here."""
+        pending = cmd.get("_pending")
+        if isinstance(pending, Pending):
+            return pending.result()
+        return self.tokenize(text, bool(cmd.get("special")))
 
     # -- vocabulary -----------------------------------------------------------
 
@@ -373,9 +417,29 @@ class Worker:
             self._fault = ""  # once: the gateway kills this worker over it
             self._out.write(b'{"ev":"pad","data":"' + b"A" * OVERSIZE_LINE_BYTES + b'"}\n')
             self._out.flush()
-        if op in ("gen", "logits", "score"):
+        if op in _ADMITTED:
+            self.held.append(cmd)
+            self.admit_held()
+        elif op == "tokenized":
+            self.admit_held()
+        elif op == "cancel":
+            self.cancel(str(cmd.get("id", "")))
+        elif op in ("pause", "resume"):  # the gateway's buffer for it is full / drained
+            seq = self.active.get(str(cmd.get("id", "")))
+            if seq is not None:
+                seq.paused = op == "pause"
+
+    def admit_held(self) -> None:
+        """Admit the held commands whose prompts are tokenized (or that have none to
+        tokenize), in the order they came; those still tokenizing stay held."""
+        held, self.held = self.held, deque()
+        for cmd in held:
+            pending = cmd.get("_pending")
+            if isinstance(pending, Pending) and not pending.done:
+                self.held.append(cmd)
+                continue
             try:
-                (self.admit if op == "gen" else self.admit_score)(cmd)
+                (self.admit if cmd["op"] == "gen" else self.admit_score)(cmd)
             except (KeyError, TypeError, ValueError) as exc:  # a malformed command fails alone
                 self.emit(
                     {
@@ -385,12 +449,6 @@ class Worker:
                         "msg": f"bad command: {type(exc).__name__}",
                     }
                 )
-        elif op == "cancel":
-            self.cancel(str(cmd.get("id", "")))
-        elif op in ("pause", "resume"):  # the gateway's buffer for it is full / drained
-            seq = self.active.get(str(cmd.get("id", "")))
-            if seq is not None:
-                seq.paused = op == "pause"
 
     def admit(self, cmd: dict[str, Any]) -> None:
         rid, s = cmd["id"], cmd["s"]
@@ -400,7 +458,7 @@ class Worker:
                 raise ValueError("a prompt token id is outside the vocabulary")
         else:
             text = cmd["prompt"]
-            fewest = -(-len(text.encode("utf-8", "surrogatepass")) // self.max_piece_bytes)
+            fewest = self.fewest_tokens(text)
             least = 1 if s.get("fit_context") else int(s["max_tokens"])
             if fewest + least > self.n_ctx:  # it cannot fit, whatever it tokenizes to
                 self.emit(
@@ -415,7 +473,7 @@ class Worker:
                     }
                 )
                 return
-            prompt = self.tokenize(text, bool(cmd.get("special")))
+            prompt = self.prompt_tokens(cmd, text)
         max_tokens = int(s["max_tokens"])
         if s.get("fit_context"):
             max_tokens = max(1, min(max_tokens, self.n_ctx - len(prompt)))
@@ -525,7 +583,7 @@ class Worker:
         ``tokens`` to a file (``logits``), or compare them with a reference's file
         (``score``). The drift monitor does one, then the other."""
         rid = cmd["id"]
-        prompt = self.tokenize(cmd["prompt"], bool(cmd.get("special")))
+        prompt = self.prompt_tokens(cmd, cmd["prompt"])
         tokens = [int(t) for t in cmd["tokens"]]
         if any(not 0 <= t < self.n_vocab for t in tokens):
             raise ValueError("a token id is outside the vocabulary")
@@ -626,6 +684,16 @@ class Worker:
         if seq is not None:
             self.finish(seq, "cancelled")
             return
+        for cmd in self.held:  # its prompt is still being tokenized
+            if cmd.get("id") == rid:
+                self.held.remove(cmd)
+                pending = cmd.get("_pending")
+                if isinstance(pending, Pending):
+                    pending.cancelled = True  # not tokenized at all, if not begun
+                self.emit(
+                    {"ev": "fin", "id": rid, "reason": "cancelled", "pt": 0, "ct": 0, "t": ""}
+                )
+                return
         for waiting in self.waiting:
             if waiting.rid == rid:
                 self.waiting.remove(waiting)
