@@ -124,7 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if http == "httptools":  # it bounds no request head: ours does (h11 has a bound of its own)
         from quantroute.api.protocol import bounded
 
-        protocol = bounded(server.max_header_bytes, server.header_timeout_s)
+        protocol = bounded(server.max_header_bytes, server.header_timeout_s, server.body_timeout_s)
     uvicorn.run(
         app,
         host=server.host,

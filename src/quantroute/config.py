@@ -59,6 +59,13 @@ class ServerSettings(BaseModel):
         description="A connection whose request head is not complete this long after it "
         "opened (or the request's first byte) is closed.",
     )
+    body_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="Seconds a request's body may take after its head; one not complete by "
+        "then gets 408 (or, if its response has started, is cut) and the connection is closed.",
+    )
     keepalive_s: float = Field(
         15.0, gt=0, description="Seconds between SSE keep-alive comments on an idle stream."
     )
