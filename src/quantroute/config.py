@@ -33,6 +33,7 @@ from pydantic_settings import (
 )
 
 from quantroute.errors import ConfigError
+from quantroute.types import WorkerFault
 
 DEMO_REPO = Path(__file__).resolve().parent / "demo" / "repo"
 ENV_PREFIX = "QUANTROUTE_"
@@ -171,17 +172,7 @@ class EngineSettings(BaseModel):
         description="Keep finished sequences' KV cells in their slots and reuse the longest "
         "shared token prefix of a new prompt (prefill only the rest).",
     )
-    faults: dict[
-        str,
-        Literal[
-            "sigill-at-first-decode",
-            "exit-at-load",
-            "oversize-line",
-            "oom-at-decode",
-            "hang-up-at-decode",
-            "hang-at-decode",
-        ],
-    ] = Field(
+    faults: dict[str, WorkerFault] = Field(
         default_factory=dict,
         description="Fault injection for tests: branch name (or model:branch, or '*') -> how "
         "its worker fails, e.g. {'q8_0': 'sigill-at-first-decode'}.",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Literal, get_args
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,3 +95,16 @@ class Offload:
     gpu: int | None = None
     n_gpu_layers: int = 0
     oom_flag: str = ""
+
+
+# The ways a llama.cpp worker can be told to fail (``engine.faults``, the worker's
+# ``--fault``; each is described in engines/llamacpp_worker.py's docstring): test hooks.
+WorkerFault = Literal[
+    "sigill-at-first-decode",
+    "exit-at-load",
+    "oversize-line",
+    "oom-at-decode",
+    "hang-up-at-decode",
+    "hang-at-decode",
+]
+WORKER_FAULTS: tuple[WorkerFault, ...] = get_args(WorkerFault)

@@ -150,6 +150,7 @@ from quantroute.engines.sampling import (
 from quantroute.engines.scoring import Comparison, LogitsDump, ScoringJob
 from quantroute.engines.stops import StopMatcher
 from quantroute.engines.tokenizer import Pending, PromptTokenizer
+from quantroute.types import WORKER_FAULTS
 
 log = logging.getLogger("quantroute.worker")
 
@@ -1042,15 +1043,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--fault",
         default="",
-        choices=(
-            "",
-            "sigill-at-first-decode",
-            "exit-at-load",
-            "oversize-line",
-            "oom-at-decode",
-            "hang-up-at-decode",
-            "hang-at-decode",
-        ),
+        choices=("", *WORKER_FAULTS),
         help="test hook: fail on purpose (see the module docstring)",
     )
     return parser.parse_args(argv)
