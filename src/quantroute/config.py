@@ -406,6 +406,13 @@ class StreamSettings(BaseModel):
         ge=16,
         description="Events kept per stream, the latest; a resume from before them is a 404.",
     )
+    max_readers: int = Field(
+        4,
+        ge=1,
+        le=1024,
+        description="Clients reading one stream at once (the response that started it "
+        "included); one more resume is a 429 until one leaves.",
+    )
     resume_grace_s: float = Field(
         10.0,
         ge=0,

@@ -4,6 +4,7 @@ before a dropped stream is cancelled, expiry, bounds, backpressure and the owner
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -319,3 +320,57 @@ async def test_an_idle_follower_leaves_no_waiter_behind_each_keepalive() -> None
     assert await anext(items) == (0, b"x")
     await items.aclose()
     await store.close()
+
+
+async def test_a_stream_lets_in_at_most_max_readers_counting_from_get() -> None:
+    """Resumes are counted from ``get`` on, before they follow: a burst of them checked
+    together cannot pass the limit; one that leaves makes room for the next."""
+    from quantroute.errors import RateLimitError
+
+    store = _store(max_readers=3)
+    stream, source = _open(store, grace_s=5.0)
+    first = asyncio.create_task(_read(stream, None))  # the response that started it
+    await _settle()
+    assert stream.watchers == 1
+    let_in = [store.get("k", "acme") for _ in range(2)]  # none follows yet
+    with pytest.raises(RateLimitError, match="3 readers") as info:
+        store.get("k", "acme")
+    assert info.value.retry_after_s == 1.0 and info.value.status == 429
+
+    async def one(s: Stream) -> tuple[int, bytes] | None:
+        async with contextlib.aclosing(s.follow(None, keepalive_s=5)) as events:
+            async for item in events:
+                return item  # and leaves, as a response that ends does
+        return None
+
+    readers = [asyncio.create_task(one(s)) for s in let_in]
+    await _settle()
+    assert stream.watchers == 3
+    source.put(b"a")
+    assert [await r for r in readers] == [(0, b"a"), (0, b"a")]
+    await _settle()  # their follows' inner generators close in a task of the loop's
+    assert stream.watchers == 1
+    again = store.get("k", "acme")  # room again: only the first watcher follows now
+    with pytest.raises(RateLimitError):
+        for _ in range(2):
+            store.get("k", "acme")
+    source.finish()
+    assert await first == [(0, b"a")]
+    assert await _read(again, None) == [(0, b"a")]
+
+
+async def test_a_reader_let_in_that_never_follows_stops_counting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from quantroute.errors import RateLimitError
+    from quantroute.resilience import resume
+
+    store = _store(max_readers=1)
+    _open(store, grace_s=5.0)
+    now = [1000.0]
+    monkeypatch.setattr(resume.time, "monotonic", lambda: now[0])
+    store.get("k", "acme")  # answered, never read
+    with pytest.raises(RateLimitError):
+        store.get("k", "acme")
+    now[0] += resume.ATTACH_S + 0.1
+    store.get("k", "acme")  # the first counts no more

@@ -21,7 +21,10 @@ When a stream's last watcher leaves before the end, the producer goes on for
 closes the generation and frees its slot. A finished stream is kept for
 ``retention_s``; the store holds at most ``max_streams`` (the oldest finished
 go first; live streams always stay, admission bounds them) and each the
-latest ``max_events_per_stream``. The producer never runs further ahead of
+latest ``max_events_per_stream``. A stream has at most ``max_readers`` watchers
+at once: a resume past them is a 429 (each one lets in is counted from
+:meth:`StreamStore.get` on, so a flood of resumes cannot pass it together before
+any of them follows). The producer never runs further ahead of
 its slowest reader (or, with none, of where the last one left) than 7/8 of
 that: a slow reader holds the generation back instead of losing events, and
 the last 1/8 keeps what was in flight when a client dropped. A producer held
@@ -36,12 +39,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from quantroute.config import StreamSettings
-from quantroute.errors import NotFoundError, QuantrouteError
+from quantroute.errors import NotFoundError, QuantrouteError, RateLimitError
 
 __all__ = ["ReaderStalledError", "Stream", "StreamStore"]
 
@@ -100,6 +104,7 @@ class Stream:
         self._grace_s = grace_s
         self._stall_timeout_s = stall_timeout_s  # the longest the producer waits for room
         self._watchers = 0
+        self._let_in: deque[float] = deque()  # monotonic times of resumes not yet following
         self._producer: asyncio.Task[None] | None = None
         self._started = False  # the producer ran its first step
         self._stopping = False  # cancelled before that: it stops as soon as it runs
@@ -114,6 +119,17 @@ class Stream:
     @property
     def watchers(self) -> int:
         return self._watchers
+
+    def let_in(self, limit: int, now: float) -> bool:
+        """Count one more reader from now on, if the stream has fewer than ``limit``: its
+        watchers, and the readers let in within ``ATTACH_S`` that do not follow yet."""
+        let_in = self._let_in
+        while let_in and let_in[0] <= now - ATTACH_S:  # let in, and never came to follow
+            let_in.popleft()
+        if self._watchers + len(let_in) >= limit:
+            return False
+        let_in.append(now)
+        return True
 
     def keeps_after(self, after: int | None) -> bool:
         """Whether every event after ``after`` (``None``: all) is still kept."""
@@ -233,6 +249,8 @@ class Stream:
 
     def _attach(self, cursor: list[int]) -> None:
         self._watchers += 1
+        if self._let_in:  # a reader let in now follows (which one does not matter)
+            self._let_in.popleft()
         self._cursors.append(cursor)
         self._cancel_reaper()
         self._moved.set()
@@ -334,6 +352,12 @@ class StreamStore:
         if not stream.keeps_after(after):
             raise NotFoundError(
                 "the stream's events after that id are no longer kept", code="stream_events_gone"
+            )
+        limit = self.settings.max_readers
+        if not stream.let_in(limit, time.monotonic()):
+            raise RateLimitError(
+                f"this stream has {limit} readers, its limit; retry once one has left",
+                retry_after_s=1.0,
             )
         return stream
 
