@@ -57,6 +57,31 @@ async def test_a_head_over_the_limit_is_a_431_in_openai_shape() -> None:
                 assert r.status_code == 200
 
 
+async def test_a_request_that_is_not_http_is_a_400_in_openai_shape() -> None:
+    """What httptools cannot parse was uvicorn's plain-text 400."""
+    async with _bounded(fake_app()) as port:
+        for head in (
+            b"GET /healthz HTTP/1.1\r\nhost: a\r\nx-nul: a\x00b\r\n\r\n",
+            b"POST /v1/completions HTTP/1.1\r\nhost: a\r\ncontent-length: "
+            + b"9" * 23
+            + b"\r\n\r\n",
+            b"NOT HTTP AT ALL\r\n\r\n",
+        ):
+            answer = await _exchange(port, head)
+            status, body = _status_and_body(answer)
+            assert status == 400 and b"content-type: application/json" in answer
+            assert json.loads(body) == {
+                "error": {
+                    "message": "the request is not valid HTTP/1.1",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "invalid_http",
+                }
+            }
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            assert (await http.get("/healthz")).status_code == 200  # and it serves on
+
+
 async def test_a_head_sent_too_slowly_loses_its_connection_and_a_long_answer_does_not() -> None:
     slow = {"f16": FakeEngine(token_delay_s=0.1)}
     settings = load_settings(telemetry={"devices": "sim:1x24GiB"})

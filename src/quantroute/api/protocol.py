@@ -6,7 +6,9 @@ event loop for most of a second), and a connection that sends its head a byte
 at a time holds its socket for ever (slowloris). This protocol answers ``431``
 to a head (request line and headers) over ``max_head_bytes`` and closes a
 connection whose head is not complete ``head_timeout_s`` after the connection
-opened or its request's first byte came.
+opened or its request's first byte came. A request httptools cannot parse (a NUL
+in a header, a ``Content-Length`` of 23 digits) is a ``400`` in OpenAI's shape,
+not uvicorn's plain text.
 
 A body sent a byte at a time holds its connection and an ASGI task the same way
 (the body limit, ``api/body_limit.py``, bounds its size, not its time). A request
@@ -37,6 +39,16 @@ _431 = (
 _431_BODY = (
     b'{"error":{"message":"the request\'s headers are too large",'
     b'"type":"invalid_request_error","param":null,"code":"headers_too_large"}}'
+)
+_400 = (
+    b"HTTP/1.1 400 Bad Request\r\n"
+    b"content-type: application/json\r\n"
+    b"connection: close\r\n"
+    b"content-length: %d\r\n\r\n%b"
+)
+_400_BODY = (
+    b'{"error":{"message":"the request is not valid HTTP/1.1",'
+    b'"type":"invalid_request_error","param":null,"code":"invalid_http"}}'
 )
 _408 = (
     b"HTTP/1.1 408 Request Timeout\r\n"
@@ -87,8 +99,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.write(_431 % (len(_431_BODY), _431_BODY))
             self.transport.close()
         except httptools.HttpParserError:
-            self.logger.warning("Invalid HTTP request received.")
-            self.send_400_response("Invalid HTTP request received.")
+            log.info("closing a connection whose request is not valid HTTP/1.1")
+            self.send_400_response("")
         except httptools.HttpParserUpgrade:
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
@@ -97,6 +109,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         else:
             # Armed here, not at the head: a body in the head's segment (most) costs no timer.
             self._arm_body()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's, in OpenAI's shape, not plain text (a NUL in a header, a
+        ``Content-Length`` of 23 digits: what httptools cannot parse)."""
+        self._disarm()
+        self._disarm_body()
+        self.transport.write(_400 % (len(_400_BODY), _400_BODY))
+        self.transport.close()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
