@@ -200,3 +200,50 @@ async def test_the_server_places_on_the_gpu_and_routes_by_its_free_memory(
             assert asyncio.get_running_loop().time() - started < 2 * 0.5 + 0.5
             await asyncio.sleep(0.05)
         assert r.headers["x-quantroute-route-reason"] == "best-fit:tight"
+
+
+def _pinned(device: str) -> list[PlacementRequest]:
+    return [
+        PlacementRequest(f"tiny-llama:{b}", demo_model_dir() / f"{b}.gguf", device=device)
+        for b in BRANCHES
+    ]
+
+
+async def test_a_branch_pinned_to_a_device_goes_there_or_nowhere(
+    nvml_kit: SimpleNamespace,
+) -> None:
+    """A manifest's ``device:`` binds: the pinned GPU though the other has more room, the
+    CPU though a GPU has room, and an unknown device, a full one or a GPU without offload
+    fail the branch with the reason in words."""
+    gpus = [
+        nvml_kit.Gpu(bus_id="00000000:18:00.0", total=24 * GiB, used=20 * GiB),
+        nvml_kit.Gpu(bus_id="00000000:3B:00.0", total=24 * GiB, used=1 * GiB, uuid="GPU-1"),
+    ]
+    occupancy, poller = await _occupancy(nvml_kit.Nvml(gpus))
+    occupancy.place_all(_pinned("cuda:0"))  # the fuller GPU: unpinned, they go to cuda:1
+    assert {p.device for p in occupancy.placements.values()} == {"cuda:0"}
+    assert all(p.offload == Offload(gpu=0, n_gpu_layers=-1) for p in occupancy.placements.values())
+    occupancy.place_all(_pinned("cpu"))
+    assert all(p.device == "cpu" and p.offload == Offload(None, 0) and not p.problem
+               for p in occupancy.placements.values())  # fmt: skip
+    occupancy.place_all(_pinned("cuda:7"))
+    for p in occupancy.placements.values():
+        assert p.device is None
+        assert p.problem == (
+            "its manifest's device cuda:7 is not one of this server's (cpu, cuda:0, cuda:1)"
+        )
+    await poller.stop()
+
+    full = nvml_kit.Gpu(total=24 * GiB, used=24 * GiB - 64 * MiB)  # room for nothing
+    occupancy, poller = await _occupancy(nvml_kit.Nvml([full, nvml_kit.Gpu(uuid="GPU-1")]))
+    occupancy.place_all(_pinned("cuda:0")[:1])
+    p = occupancy.placements["tiny-llama:f16"]
+    assert p.device is None and p.problem is not None
+    assert p.problem.startswith("its manifest's device cuda:0: ") and "needs" in p.problem
+    await poller.stop()
+
+    occupancy, poller = await _occupancy(nvml_kit.Nvml([nvml_kit.Gpu()]), gpu_offload=False)
+    occupancy.place_all(_pinned("cuda:0")[:1])
+    p = occupancy.placements["tiny-llama:f16"]
+    assert p.device is None and p.problem is not None and "offloads no layers" in p.problem
+    await poller.stop()

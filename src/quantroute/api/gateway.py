@@ -208,7 +208,8 @@ class Gateway:
         if any(d.kind is DeviceKind.CUDA for d in self.poller.snapshot.devices):
             await self._learn_gpu_offload()
         requests = [
-            PlacementRequest(b.id, b.engine.model_path, b.artifact.problem) for b in branches
+            PlacementRequest(b.id, b.engine.model_path, b.artifact.problem, b.artifact.device)
+            for b in branches
         ]
         await asyncio.to_thread(self.occupancy.place_all, requests)  # reads GGUF headers
         for branch in branches:

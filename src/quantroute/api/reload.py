@@ -285,7 +285,10 @@ class Reloader:
         gateway = self._gateway
         occupancy = gateway.occupancy
         before = {b.id: occupancy.get(b.id) for b in fresh}
-        requests = [PlacementRequest(b.id, b.engine.model_path, b.artifact.problem) for b in fresh]
+        requests = [
+            PlacementRequest(b.id, b.engine.model_path, b.artifact.problem, b.artifact.device)
+            for b in fresh
+        ]
         await asyncio.to_thread(occupancy.place_all, requests)
         for b in fresh:
             placement = occupancy.get(b.id)

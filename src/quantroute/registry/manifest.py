@@ -233,6 +233,11 @@ class BranchArtifact:
     spec: BranchSpec | None = None
     file_id: tuple[int, int, int] | None = None  # (device, inode, mtime_ns) when checked
 
+    @property
+    def device(self) -> str | None:
+        """The device the manifest pins the branch to (``device:``), if any."""
+        return self.spec.device if self.spec is not None else None
+
     def replaced(self) -> bool:
         """The file at ``path`` is no longer the one that was checked (renamed over,
         rewritten, removed): a worker must not load it unchecked."""

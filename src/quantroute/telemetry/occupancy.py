@@ -18,7 +18,9 @@ Devices a branch may use, in order: simulated devices when there are any
 (tests and demos); else CUDA devices when the llama.cpp build can offload
 (``gpu_offload``), fully offloaded (``n_gpu_layers == -1``) or, where no GPU
 holds the whole branch, as many layers as fit on the roomiest one; else the
-host ``cpu``.
+host ``cpu``. A branch whose manifest names a device (``device: cuda:1``) is
+placed there or not at all: a device this server does not have, or one without
+room for it, fails the branch with the reason in words, and it is never moved.
 """
 
 from __future__ import annotations
@@ -56,11 +58,13 @@ __all__ = ["Occupancy", "Placement", "PlacementRequest", "partial_offload"]
 @dataclass(frozen=True, slots=True)
 class PlacementRequest:
     """A branch to place: its id and the local model file (``None``: costs nothing here).
-    ``problem``: its file is known bad (the registry said why); it is not placed."""
+    ``problem``: its file is known bad (the registry said why); it is not placed.
+    ``device``: the device its manifest pins it to (``cpu``, ``cuda:N``, ``sim:N``)."""
 
     branch_id: str
     model_path: Path | None
     problem: str | None = None
+    device: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,9 +213,17 @@ class Occupancy:
         if not devices:  # no reading at all: the host, unaccounted
             return Placement("cpu", Footprint(0, 0, 0, 0))
         problem = "no device"
+        kinds = self._kinds(devices)
+        if request.device is not None:
+            devices = [d for d in devices if d.id == request.device]
+            pinned = self._pinned_kinds(request.device, devices)
+            if isinstance(pinned, str):
+                log.error("%s: not started: %s", branch_id, pinned)
+                return Placement(None, Footprint(0, 0, 0, 0), problem=pinned)
+            kinds = pinned
         topology = self._poller.snapshot.topology
         health = self._health.factors(d.id for d in devices)
-        for kind in self._kinds(devices):
+        for kind in kinds:
             try:
                 footprint, kv_per_token, n_layer = self.estimate(request.model_path, kind)
             except ConfigError as exc:
@@ -236,8 +248,25 @@ class Occupancy:
                 partial = self._partial(footprint, kv_per_token, n_layer, devices, health)
                 if partial is not None:
                     return partial
+        if request.device is not None:
+            problem = f"its manifest's device {request.device}: {problem}"
         log.error("%s: not started: %s", branch_id, problem)
         return Placement(None, Footprint(0, 0, 0, 0), problem=problem)
+
+    def _pinned_kinds(
+        self, device_id: str, devices: Sequence[DeviceStats]
+    ) -> list[DeviceKind] | str:
+        """The kind a branch pinned to ``device_id`` is placed as, or why it cannot be."""
+        if not devices:
+            known = ", ".join(sorted(d.id for d in self._poller.snapshot.devices))
+            return f"its manifest's device {device_id} is not one of this server's ({known})"
+        kind = devices[0].kind
+        if kind is DeviceKind.CUDA and not (self.gpu_offload and self._n_gpu_layers != 0):
+            return (
+                f"its manifest's device {device_id} is a GPU, and this server offloads no "
+                "layers to one (a CPU-only llama.cpp build, or engine.n_gpu_layers 0)"
+            )
+        return [kind]
 
     def _partial(
         self,
