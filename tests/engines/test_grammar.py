@@ -4,6 +4,7 @@ real grammar sampler."""
 
 from __future__ import annotations
 
+import codecs
 import ctypes
 import json
 import re
@@ -112,6 +113,9 @@ def _pair(ref: str) -> dict[str, Any]:
         ({"type": "string", "pattern": "^((a?){256}){256}$"}, "nested counts multiply"),
         ({"type": "string", "pattern": "^(a{64}){64}$"}, "at most 2048 characters"),
         ({"type": "string", "pattern": "^((a?){16}){17}$"}, "at most 256 positions open"),
+        # "." and [^a] are written raw or escaped (\" \\ \n...): two ways open each
+        ({"type": "string", "pattern": "^(.?){129}$"}, "at most 256 positions open"),
+        ({"type": "string", "pattern": "^([^a]?){129}$"}, "at most 256 positions open"),
         ({"type": "string", "pattern": "^(x|y)((a|b|c|d)?){65}$"}, "positions open"),
         ({"type": "string", "pattern": "^(" + "|".join(["ab"] * 257) + ")$"}, "256 alternatives"),
         ({"type": "string", "pattern": "^(" + "|".join(["ab"] * 30_000) + ")$"}, "alternatives"),
@@ -172,6 +176,7 @@ AT_THE_BOUNDS = [
     {"type": "string", "pattern": "^((a|b|c|d|e|f|g|h)?){32}$"},
     {"type": "string", "pattern": "^(" + "|".join(["ab"] * 256) + ")$"},
     {"type": "string", "pattern": "^(a{32}){64}$"},  # 2048 characters, one reading
+    {"type": "string", "pattern": "^(.?){128}$"},  # 256: each "." raw or escaped
     {"enum": [f"a_prefix_all_of_them_share_{i}" for i in range(500)]},
     {"anyOf": [{"enum": [f"same_{i}" for i in range(500)]}] * 2 + [{"enum": list(range(24))}]},
     _ref_chain(10, lambda ref: {"$ref": ref}),  # 1024
@@ -264,6 +269,52 @@ ESCAPED = {  # the escapes real schemas use (llama.cpp refused them as they were
         "code": {"type": "string", "pattern": "^\\S{2}\\s\\D\\-\\u00e9$"},
     },
     "required": ["day", "mail", "code"],
+    "additionalProperties": False,
+}
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"$ref": "#/$defs/Name"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+# as generators write it (pydantic's for a model at the top): the root is a reference
+REF_AT_ROOT = {
+    "$ref": "#/$defs/Person",
+    "$defs": {"Person": PERSON, "Name": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"}},
+}
+NAMES_TAKEN = {  # definitions named as a property's rule, and as the converter's "space"
+    "$defs": {"a": {"type": "integer"}, "space": {"type": "boolean"}},
+    "type": "object",
+    "properties": {
+        "a": {"type": "string", "maxLength": 2},
+        "b": {"$ref": "#/$defs/a"},
+        "c": {"$ref": "#/$defs/space"},
+    },
+    "required": ["a", "b", "c"],
+    "additionalProperties": False,
+}
+TREE = {  # recursive, from the root
+    "$ref": "#/$defs/Node",
+    "$defs": {
+        "Node": {
+            "type": "object",
+            "properties": {
+                "v": {"type": "integer"},
+                "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}, "maxItems": 2},
+            },
+            "required": ["v"],
+            "additionalProperties": False,
+        }
+    },
+}
+KEYWORD_NAMES = {  # properties named as the keywords whose values are not schemas
+    "type": "object",
+    "properties": {
+        name: {"type": "string", "pattern": "^\\d\\.[^a]$"} for name in ("default", "enum", "const")
+    },
+    "required": ["default", "enum", "const"],
     "additionalProperties": False,
 }
 
@@ -369,8 +420,201 @@ def test_grammars_at_the_cost_bounds_step_quickly_on_llama_cpps_sampler(
         g.close()
 
 
-@pytest.mark.parametrize("pattern", ["^a\\bc$", "^(a)\\1$", "^[\\S]$", "^\\p{L}$"])
-def test_escapes_with_no_class_are_refused_without_quoting(pattern: str) -> None:
-    with pytest.raises(SchemaError) as caught:
-        schema_grammar({"type": "string", "pattern": pattern})
-    assert "escape" in str(caught.value) or "pattern" in str(caught.value)
+@pytest.mark.parametrize(
+    ("pattern", "named"),
+    [
+        ("^a\\bc$", "an escape"),
+        ("^(a)\\1$", "an escape"),
+        ("^\\p{L}$", "an escape"),
+        ("^[\\b]$", "an escape"),
+        ("^\\ud800x$", "surrogate"),
+        ("^(?=ab)ab$", "only (?:...)"),
+        ("^(?<n>ab)$", "only (?:...)"),
+        ("^(ab$|cd)$", "^ and $"),
+        ("^[]ab$", "an empty []"),
+        ("^[^\\s\\S]$", "holds no character"),
+        ("^[z-a]$", "in order"),
+        ("^[\\d-z]$", "in order"),
+    ],
+)
+def test_patterns_with_no_grammar_are_refused_by_position_without_quoting(
+    pattern: str, named: str
+) -> None:
+    schema = {"type": "object", "properties": {"ab": {"type": "string", "pattern": pattern}}}
+    with pytest.raises(SchemaError, match=re.escape(named)) as caught:
+        schema_grammar(schema)
+    assert str(caught.value).startswith("json_schema.schema.properties[0].pattern")
+    assert "ab" not in str(caught.value).replace("json_schema", "")
+
+
+# ---- a pattern's values, written as JSON strings ---------------------------------------
+
+
+def _utf8(text: bytes, *, final: bool = False) -> bool:
+    """Whether ``text`` is UTF-8 (``final``) or the start of some."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(text, final=final)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _walk(
+    g: Any, rng: Any, vocab: tuple[Any, int, list[bytes], list[int]], steps: int,
+    *, tricky: list[int], hints: list[int],
+) -> bytes:  # fmt: skip
+    """``steps`` random tokens the grammar allows, half of them (where one is allowed)
+    holding ``"``, a backslash or a control character, as a model at temperature 1 might
+    pick; then the closing path, or the next of ``hints`` where that would not end (it is
+    greedy: in ``[^@]+`` it takes "}" for ever, never the "@" that must follow).
+
+    Each token keeps the text UTF-8: llama.cpp's sampler reads bytes leniently (an
+    overlong ``E0 92 BC`` as U+04BC, ``F6 B6 A3 80`` as a code point past U+10FFFF), which
+    no grammar can tell apart, and the worker's decoding makes each bad byte a U+FFFD."""
+    import numpy as np
+
+    _, n, pieces, eog = vocab
+    text = b""
+    for step in range(steps + 8):  # then on to a whole character
+        if step >= steps and _utf8(text, final=True):
+            break
+        allowed = np.flatnonzero(np.isfinite(g.mask(np.zeros(n, dtype=np.float32))))
+        allowed = np.array([t for t in allowed if t not in eog and _utf8(text + pieces[t])])
+        if not allowed.size:
+            break
+        hard = allowed[np.isin(allowed, tricky)]
+        token = int(rng.choice(hard if hard.size and rng.random() < 0.5 else allowed))
+        g.accept(token)
+        text += pieces[token]
+    for _ in range(200):
+        if any(g.allows(t) for t in eog):
+            return text
+        token = g.closing_token()
+        if g.closing_length(50) is None and hints and g.allows(hints[0]):
+            token = hints.pop(0)
+        assert _utf8(text + pieces[token]), text
+        g.accept(token)
+        text += pieces[token]
+    raise AssertionError(f"no end after {text!r}")
+
+
+#: Schemas whose references the converter resolved wrongly, or not at all.
+REFERENCES = [REF_AT_ROOT, NAMES_TAKEN, TREE, KEYWORD_NAMES]
+
+
+@pytest.mark.parametrize(
+    "schema", REFERENCES, ids=["ref_at_root", "names_taken", "tree", "keyword_names"]
+)
+def test_references_resolve_to_what_they_name(
+    vocab: tuple[Any, int, list[bytes], list[int]], schema: dict[str, Any]
+) -> None:
+    """A ``$ref`` at the root beside its ``$defs`` (the converter left the references
+    inside them unresolved and refused the schema), one to a definition named as another
+    rule (the converter gave it that rule: a string for an integer, its optional space
+    for a boolean), recursion; and patterns under properties named as keywords."""
+    import numpy as np
+
+    from quantroute.engines.constrained import ClosingOrder, Grammar
+
+    v, n, pieces, eog = vocab
+    grammar = schema_grammar(schema)
+    order = ClosingOrder(pieces, eog)
+    for seed in range(12):
+        g = Grammar(v, n, grammar, order)
+        try:
+            walk = _walk(g, np.random.default_rng(seed), vocab, seed * 4, tricky=[], hints=[])
+        finally:
+            g.close()
+        jsonschema.validate(json.loads(walk), schema)
+
+
+#: (pattern, characters the walk spells where the closing path would not end, whether
+#: its values may hold what JSON escapes: ".", negated classes and \D \S \W hold ", \
+#: and control characters)
+PATTERNS = [
+    ("^.+$", b"", True),
+    ("^[^a]{3,8}$", b"", True),
+    ("^[^@]+@[^@]+$", b"@", True),
+    ('^a"b$', b"", True),
+    ('^[a-z"\\\\]{2,6}$', b"", True),
+    ("^[ -~]{1,10}$", b"", True),
+    ("^\\D{3}\\S\\W\\s$", b"", True),
+    ("^[^\\s@]+@[^\\s@]+\\.[a-z]{2,3}$", b"@x.nn", True),
+    ("^(?:x|\\n|\\t)[\\x00-\\x1F]{2}\\\\\\f$", b"", True),
+    ("^a]}\\{[\\]]$", b"", False),  # llama.cpp's converter looped for ever on "]"
+]
+
+
+@pytest.mark.parametrize(("pattern", "hints", "escapes"), PATTERNS)
+def test_a_patterns_values_are_json_strings_the_pattern_matches(
+    vocab: tuple[Any, int, list[bytes], list[int]], pattern: str, hints: bytes, escapes: bool
+) -> None:
+    """Whatever tokens the grammar lets a model pick, the text is a JSON string
+    (``json.loads``) whose value the pattern matches, as Python's ``re`` and jsonschema
+    read it: ", \\ and control characters come escaped (llama.cpp's converter let ``.``
+    and ``[^a]`` write them raw, ending the string early or breaking it), and \\D \\W
+    \\S hold no digit, letter or space of Python's Unicode classes."""
+    import numpy as np
+
+    from quantroute.engines.constrained import ClosingOrder, Grammar
+
+    v, n, pieces, eog = vocab
+    schema = {"type": "string", "pattern": pattern}
+    grammar = schema_grammar(schema)
+    order = ClosingOrder(pieces, eog)
+    tricky = [t for t, p in enumerate(pieces) if any(b in b'"\\' or b < 0x20 for b in p)]
+    hint_tokens = [pieces.index(bytes([b])) for b in hints]
+    held = 0
+    for seed in range(16):
+        g = Grammar(v, n, grammar, order)
+        try:
+            walk = _walk(
+                g, np.random.default_rng(seed), vocab, 24, tricky=tricky, hints=list(hint_tokens)
+            )
+        finally:
+            g.close()
+        value = json.loads(walk)
+        assert isinstance(value, str) and re.fullmatch(pattern[1:-1], value), walk
+        jsonschema.validate(value, schema)
+        held += re.search('["\\\\\x00-\x1f]', value) is not None
+    assert held if escapes else not held  # the walks wrote escapes, where they could
+
+
+def test_forced_tool_calls_parameters_may_refer_to_their_own_defs(
+    vocab: tuple[Any, int, list[bytes], list[int]],
+) -> None:
+    """A reference in a tool's parameters is read from the parameters' root (the
+    converter read it from the tool call around them, and refused every one), and two
+    tools may each have a definition of the same name."""
+    import numpy as np
+
+    from quantroute.engines.constrained import ClosingOrder, Grammar
+
+    v, n, pieces, eog = vocab
+    params = {
+        "f": {
+            "type": "object",
+            "properties": {"who": {"$ref": "#/$defs/Person"}},
+            "required": ["who"],
+            "$defs": REF_AT_ROOT["$defs"],
+        },
+        "g": {  # its own "Person", and at the root
+            "$ref": "#/$defs/Person",
+            "$defs": {"Person": {"type": "array", "items": {"type": "boolean"}, "minItems": 1}},
+        },
+    }
+    grammar = tool_call_grammar(list(params.items()), parallel=False)
+    order = ClosingOrder(pieces, eog)
+    names = set()
+    for seed in range(12):
+        g = Grammar(v, n, grammar, order)
+        try:
+            walk = _walk(g, np.random.default_rng(seed), vocab, seed * 4, tricky=[], hints=[])
+        finally:
+            g.close()
+        text = walk.decode()
+        assert text.startswith("<tool_call>") and text.endswith("</tool_call>"), text
+        call = json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+        jsonschema.validate(call["arguments"], params[call["name"]])
+        names.add(call["name"])
+    assert names == {"f", "g"}

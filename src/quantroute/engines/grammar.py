@@ -3,13 +3,17 @@ GBNF text for llama.cpp's grammar sampler (the worker runs it, ``engines/constra
 
 The schema-to-GBNF conversion is llama.cpp's own (``llama_cpp.llama_grammar``, a
 pure-Python port of ``json_schema_to_grammar``), loaded here from its file so that the
-gateway does not load ``libllama``. Two things are added around it:
+gateway does not load ``libllama``. Three things are added around it:
 
 - :func:`check_schema` refuses, before any conversion, every keyword the converter
   would silently ignore (``minimum``, ``oneOf``, ``uniqueItems``...): a schema it
   accepts is one whose every instance the grammar produces validates;
 - its ``char`` rule admits raw control characters inside strings, which JSON forbids:
-  the rule is tightened to ``[^"\\\\\\x7F\\x00-\\x1F]`` (escapes stay allowed).
+  the rule is tightened to ``[^"\\\\\\x7F\\x00-\\x1F]`` (escapes stay allowed);
+- it copies a ``pattern``'s classes, ``.`` and literals into the grammar as they are, so
+  ``[^a]`` could write a raw ``"`` (ending the string) or ``\\``: each pattern is first
+  rewritten so that the grammar is that of the JSON text of values it matches
+  (``engines/pattern.py``).
 
 A forced tool call is the default tool format of :mod:`quantroute.api.tools`::
 
@@ -28,6 +32,8 @@ from collections.abc import Iterator, Sequence
 from functools import cache
 from types import ModuleType
 from typing import Any
+
+from quantroute.engines.pattern import SchemaError, pattern_in_json, pattern_size
 
 __all__ = [
     "SURROGATES",
@@ -100,7 +106,6 @@ _MAX_GRAMMAR_RULES = 8192
 # times over (a pattern ((a?){256}){256}, 65,536 readings, never finished a token; a
 # 30,000-way alternation took 56 s). Real schemas stay far below these.
 _MAX_PATTERN_SIZE = 2048  # a pattern's positions, nested {n,m} multiplied (one "a{n}" = n)
-_MAX_PATTERN_ALTERNATIVES = 256  # a pattern's branches: one more than its "|", in all
 _MAX_PATTERN_READINGS = 256  # a pattern's positions open at once: (a?){256} has 256
 _MAX_ENUM = 500  # an enum's values
 _MAX_VALUE_CHARS = 1 << 16  # the JSON text of every enum and const value of a schema
@@ -109,15 +114,6 @@ _REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _LOOSE_CHAR = r'char ::= [^"\\] | '
 _JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] | '
-
-
-class SchemaError(ValueError):
-    """A schema the grammar cannot enforce; ``str`` says what is wrong and where.
-
-    It quotes nothing the client wrote: a keyword or format is named only when it is one
-    of JSON Schema's, a property (or a ``$defs`` entry) by its position among its
-    siblings (``schema.properties[2]``, from 0), never by its name, and a value never.
-    """
 
 
 @cache
@@ -176,6 +172,8 @@ def check_schema(schema: Any, where: str = "schema") -> None:
         ):
             raise SchemaError(f"{path}.pattern: only anchored patterns (^...$) are supported")
         _counts(path, node)
+        if isinstance(pattern, str):  # what the converter is handed: refused here, by path
+            pattern_in_json(f"{path}.pattern", pattern)
         value_chars += _values(path, node)
         if value_chars > _MAX_VALUE_CHARS:
             raise SchemaError(
@@ -257,7 +255,7 @@ def _counts(path: str, node: dict[str, Any]) -> None:
                     f"{path}.pattern: a repetition count may be at most {_MAX_MINIMUM} "
                     f"(a minimum) or {_MAX_MAXIMUM} (a maximum)"
                 )
-        size, readings = _pattern_size(f"{path}.pattern", pattern[1:-1])
+        size, readings = pattern_size(f"{path}.pattern", pattern[1:-1])
         if size > _MAX_PATTERN_SIZE:
             raise SchemaError(
                 f"{path}.pattern may spell out at most {_MAX_PATTERN_SIZE} characters with "
@@ -270,113 +268,14 @@ def _counts(path: str, node: dict[str, Any]) -> None:
             )
 
 
-# A pattern's item as the sampler meets it: (characters once expanded, positions it may
-# start at, whether it can match nothing, most positions open at once inside it).
-_Item = tuple[int, int, bool, int]
-
-
-def _repeated(item: _Item, least: int, most: int | None) -> _Item:
-    size, first, empty, readings = item
-    times = max(most if most is not None else least + 1, 1)
-    if empty:  # a run of copies that can each match nothing: all of them open at once
-        return size * times, first * times, True, readings + first * (times - 1)
-    more = first if times > 1 and (most is None or most > least) else 0  # or stop here
-    return size * times, first, least == 0, readings + more
-
-
-def _sequence(items: list[_Item]) -> _Item:
-    size = sum(item[0] for item in items)
-    first, empty, readings, run = 0, True, 0, 0
-    for _, item_first, item_empty, item_readings in items:
-        if empty:
-            first += item_first
-            empty = item_empty
-        # open at once: this item's start, from anywhere in the skippable run before it
-        readings = max(readings, item_readings, run + item_first)
-        run = run + item_first if item_empty else 0
-    return size, first, empty, readings
-
-
-def _alternatives(branches: list[_Item]) -> _Item:
-    first = sum(b[1] for b in branches)  # branches may share a beginning: all open
-    readings = max(first, *(b[3] for b in branches))
-    return sum(b[0] for b in branches), first, any(b[2] for b in branches), readings
-
-
-def _pattern_size(where: str, body: str) -> tuple[int, int]:
-    """What the pattern ``body`` (the part between ``^`` and ``$``) costs the sampler, read
-    the way the converter reads it: the characters it spells out once every ``{n,m}`` is
-    expanded to its largest count (nested counts multiply; ``*``, ``+`` and ``?`` count
-    their item once, a group its branches together) and how many positions may be open
-    at once (its readings: a run of items that can each match nothing, as in
-    ``(a?){256}``, keeps them all open). Refuse more than so many ``|``, what is no
-    regular expression (an unbalanced bracket, a quantifier of nothing, ``{n,m}`` with
-    n > m) and a ``|`` outside parentheses, which the converter would join to the
-    string's quotes."""
-    # per open group: its finished branches, and the items of the branch being read
-    groups: list[tuple[list[_Item], list[_Item]]] = [([], [])]
-    bars = 0
-    i, n = 0, len(body)
-    while i < n:
-        c = body[i]
-        branches, items = groups[-1]
-        if c in "*+?{":
-            if not items:
-                raise SchemaError(f"{where}: a quantifier repeats nothing")
-            least, most = {"*": (0, None), "+": (1, None), "?": (0, 1)}.get(c, (0, 0))
-            i += 1
-            if c == "{":
-                end = body.find("}", i)
-                if end < 0:
-                    raise SchemaError(f"{where}: a {{ is not closed")
-                low, comma, high = body[i:end].partition(",")
-                try:
-                    least = int(low) if low.strip() or not comma else 0
-                    most = int(high) if high.strip() else None if comma else least
-                except ValueError:
-                    raise SchemaError(f"{where}: a {{...}} is not a repetition count") from None
-                if most is not None and most < least:
-                    raise SchemaError(f"{where}: a repetition count {{n,m}} has n > m")
-                i = end + 1
-            items[-1] = _repeated(items[-1], least, most)
-            continue
-        if c == "(":
-            groups.append(([], []))
-            i += 1
-            continue
-        if c == "|":
-            if len(groups) == 1:
-                raise SchemaError(f"{where}: a | outside parentheses is not supported: ^(a|b)$")
-            bars += 1
-            if bars >= _MAX_PATTERN_ALTERNATIVES:  # said before reading on
-                raise SchemaError(
-                    f"{where} may have at most {_MAX_PATTERN_ALTERNATIVES} alternatives (|)"
-                )
-            branches.append(_sequence(items))
-            items.clear()
-            i += 1
-            continue
-        if c == ")":
-            if len(groups) == 1:
-                raise SchemaError(f"{where}: a ) closes no (")
-            groups.pop()
-            groups[-1][1].append(_alternatives([*branches, _sequence(items)]))
-            i += 1
-            continue
-        if c == "[":
-            i += 1
-            while i < n and body[i] != "]":
-                i += 2 if body[i] == "\\" else 1
-            if i >= n:
-                raise SchemaError(f"{where}: a [ is not closed")
-        elif c == "\\":
-            i += 1  # the escaped character is the item
-        i += 1
-        items.append((1, 1, False, 1))
-    if len(groups) > 1:
-        raise SchemaError(f"{where}: a ( is not closed")
-    size, _, _, readings = _sequence(groups[0][1])
-    return size, max(readings, 1)
+def _target(root: Any, ref: str) -> Any:
+    """What the local reference ``ref`` (``#/$defs/a``) names in ``root``, or ``None``."""
+    target = root
+    for part in ref.split("#")[-1].split("/")[1:]:
+        if not isinstance(target, dict) or part not in target:
+            return None
+        target = target[part]
+    return target
 
 
 def _breadth(schema: Any) -> int:
@@ -385,17 +284,8 @@ def _breadth(schema: Any) -> int:
     of an enum, a pattern's ``|`` branches) may share a beginning, so they add up; the
     properties of an object and the items of an array follow one another, so the widest
     counts (an additional property may read as any named one: it adds)."""
-    root = schema
     memo: dict[int, int] = {}
     open_refs: set[str] = set()
-
-    def ref_target(ref: str) -> Any:
-        target = root
-        for part in ref.split("#")[-1].split("/")[1:]:
-            if not isinstance(target, dict) or part not in target:
-                return None
-            target = target[part]
-        return target
 
     def visit(node: Any) -> int:
         if not isinstance(node, dict):
@@ -407,7 +297,7 @@ def _breadth(schema: Any) -> int:
             if ref in open_refs:  # recursion: the stack grows deeper, not wider
                 return 1
             open_refs.add(ref)
-            width = visit(ref_target(ref))
+            width = visit(_target(schema, ref))
             open_refs.discard(ref)
         elif isinstance(node.get("anyOf"), list):
             width = sum(visit(branch) for branch in node["anyOf"])
@@ -416,7 +306,7 @@ def _breadth(schema: Any) -> int:
         elif isinstance(node.get("enum"), list):
             width = len(node["enum"])
         elif isinstance(node.get("pattern"), str):  # checked by _counts already
-            width = _pattern_size("pattern", node["pattern"][1:-1])[1]
+            width = pattern_size("pattern", node["pattern"][1:-1])[1]
         else:
             width = 1
             properties = node.get("properties")
@@ -517,7 +407,10 @@ def _convert(schemas: Sequence[tuple[str, Any]]) -> str:
     )
     try:
         for name, schema in schemas:
-            resolved = converter.resolve_refs(_with_classes(copy.deepcopy(schema)), name)
+            prepared, refs = _prepared(copy.deepcopy(schema), name)
+            resolved = converter.resolve_refs(prepared, name)
+            for ref in refs:  # each definition's rule first: no other takes its name
+                converter._resolve_ref(ref)
             converter.visit(resolved, name)
         grammar: str = converter.format_grammar()
         rules = len(converter._rules)
@@ -533,66 +426,43 @@ def _convert(schemas: Sequence[tuple[str, Any]]) -> str:
     return grammar.replace(_LOOSE_CHAR, _JSON_CHAR)
 
 
-# A pattern's escapes, as classes GBNF reads (the converter copies escapes as they are, and
-# llama.cpp refuses "\d"): outside brackets a whole class, inside one its members. The
-# pattern matches a JSON string's text, where a tab or a line break is never raw: "\s" is a
-# space there, and a negated class leaves out what JSON must escape (", \, controls).
-_CLASS_MEMBERS = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " "}
-_NEGATED = {"D": "d", "W": "w", "S": "s"}
-_NOT_RAW_IN_JSON = '"\\\\\\x00-\\x1F'  # GBNF class members: " \ and U+0000..U+001F
-_KEEP = {"t": "\\t", "n": "\\n", "r": "\\r"}
-_DATA_KEYS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
+_REFS = "$quantroute-refs"  # where _prepared puts what each reference names
 
 
-def _with_classes(node: Any) -> Any:
-    """``node`` (a schema, changed in place) with each ``pattern``'s escapes rewritten."""
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key == "pattern" and isinstance(value, str):
-                node[key] = _escapes_as_classes(value)
-            elif key not in _DATA_KEYS:
-                _with_classes(value)
-    elif isinstance(node, list):
-        for value in node:
-            _with_classes(value)
-    return node
+def _prepared(schema: Any, name: str) -> tuple[Any, list[str]]:
+    """``schema`` (checked; changed in place) for the converter, and its references as
+    the converter knows them: each ``pattern`` as JSON text (``engines/pattern.py``);
+    each ``$ref`` to a definition of a name of its own (``ref0``, ``fn1-ref0``: the
+    converter names a definition's rule by the last part of its reference, and took the
+    rule of a property, or its ``space``, that had that name already); and each ``$ref``
+    beside other keys inside an ``anyOf`` of one (the converter resolves no reference
+    beside a ``$ref``, so none in the ``$defs`` beside one at a schema's root)."""
+    nodes = [node for _, node in _nodes(schema, "schema")]  # subschemas, not values
+    targets = {ref: _target(schema, ref) for n in nodes if isinstance(ref := n.get("$ref"), str)}
+    own = [ref for ref, target in targets.items() if isinstance(target, dict)]
+    keys = {ref: f"{name}-ref{i}" if name else f"ref{i}" for i, ref in enumerate(own)}
+    if keys:  # a missing one is left for the converter to refuse
+        schema[_REFS] = {key: targets[ref] for ref, key in keys.items()}
+    for node in nodes:
+        pattern = node.get("pattern")
+        if isinstance(pattern, str):
+            node["pattern"] = pattern_in_json("pattern", pattern)
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref in keys:
+            node["$ref"] = f"#/{_REFS}/{keys[ref]}"
+        if isinstance(ref, str) and len(node) > 1:
+            node["anyOf"] = [{"$ref": node.pop("$ref")}]
+    return schema, [f"{name}#/{_REFS}/{key}" for key in keys.values()]
 
 
-def _escapes_as_classes(pattern: str) -> str:
-    """``\\d``, ``\\w``, ``\\s`` (and their negations), ``\\t``, ``\\n``, ``\\r``,
-    ``\\uXXXX`` and an escaped punctuation character, as GBNF character classes (members
-    inside brackets); any other escape (``\\b``, a backreference) is a :class:`SchemaError`."""
-    out: list[str] = []
-    inside = False
-    i = 0
-    while i < len(pattern):
-        c = pattern[i]
-        if c != "\\":
-            if c == "[" and not inside:
-                inside = True
-            elif c == "]" and inside:
-                inside = False
-            out.append(c)
-            i += 1
-            continue
-        e = pattern[i + 1 : i + 2]
-        i += 2
-        if e in _CLASS_MEMBERS:
-            out.append(_CLASS_MEMBERS[e] if inside else f"[{_CLASS_MEMBERS[e]}]")
-        elif e in _NEGATED and not inside:
-            out.append(f"[^{_CLASS_MEMBERS[_NEGATED[e]]}{_NOT_RAW_IN_JSON}]")
-        elif e in _KEEP:
-            out.append(_KEEP[e] if inside else f"[{_KEEP[e]}]")
-        elif e == "u" and re.fullmatch(r"[0-9A-Fa-f]{4}", pattern[i : i + 4]):
-            member = "\\u" + pattern[i : i + 4]
-            out.append(member if inside else f"[{member}]")
-            i += 4
-        elif len(e) == 1 and e.isascii() and not e.isalnum() and e != "_":
-            member = f"\\x{ord(e):02X}"
-            out.append(member if inside else f"[{member}]")
-        else:
-            raise SchemaError("pattern: an escape this server does not support (\\b, \\1...)")
-    return "".join(out)
+def _rebased(schema: Any, base: str) -> Any:
+    """``schema`` (checked; changed in place) with each local ``$ref`` (``#/...``) read
+    from ``base`` (``#/properties/arguments``), where it is put inside another schema."""
+    for _, node in _nodes(schema, "schema"):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/"):
+            node["$ref"] = base + ref[1:]
+    return schema
 
 
 def schema_grammar(schema: Any, where: str = "json_schema.schema") -> str:
@@ -604,14 +474,14 @@ def schema_grammar(schema: Any, where: str = "json_schema.schema") -> str:
 def tool_call_grammar(functions: Sequence[tuple[str, Any]], *, parallel: bool) -> str:
     """Tool calls to one of ``functions`` (``(name, parameters schema)``), in the default
     format; with ``parallel``, one or more of them."""
-    if sum("$ref" in json.dumps(p) for _, p in functions) > 1:
-        raise SchemaError("tools: $ref in more than one function's parameters is not supported")
     schemas = []
     for i, (name, params) in enumerate(functions):
         check_schema(params, f"tools[{i}].function.parameters")
+        # its references, read from the parameters' root, are read from where they go
+        arguments = _rebased(copy.deepcopy(params), "#/properties/arguments")
         call = {
             "type": "object",
-            "properties": {"name": {"const": name}, "arguments": params},
+            "properties": {"name": {"const": name}, "arguments": arguments},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
