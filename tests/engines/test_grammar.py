@@ -618,3 +618,39 @@ def test_forced_tool_calls_parameters_may_refer_to_their_own_defs(
         jsonschema.validate(call["arguments"], params[call["name"]])
         names.add(call["name"])
     assert names == {"f", "g"}
+
+
+def test_a_schema_seen_before_is_not_converted_again_and_the_memo_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from quantroute.engines import grammar as g
+
+    converted: list[int] = []
+    real = g._convert
+
+    def counting(schemas: Any) -> str:
+        converted.append(len(schemas))
+        return real(schemas)
+
+    monkeypatch.setattr(g, "_convert", counting)
+    monkeypatch.setattr(g, "_MEMO", g._Memo(budget=64 << 10))
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^.+$"}}}
+    first = g.schema_grammar(schema)
+    assert g.schema_grammar(json.loads(json.dumps(schema))) == first and converted == [1]
+    reordered = {"properties": schema["properties"], "type": "object"}  # same keys, new order
+    assert g.schema_grammar(reordered) == first and converted == [1, 1]  # its own entry
+    tools = [("f", {"type": "object", "properties": {"x": {"type": "integer"}}})]
+    assert g.tool_call_grammar(tools, parallel=True) == g.tool_call_grammar(tools, parallel=True)
+    assert g.tool_call_grammar(tools, parallel=False) != g.tool_call_grammar(tools, parallel=True)
+    assert converted == [1, 1, 1, 1]
+    for _ in range(2):  # a schema that fails is checked again, and fails again
+        with pytest.raises(SchemaError):
+            g.schema_grammar({"type": "string", "minimum": 1})
+    for n in range(200):  # many schemas: the oldest go, the memo stays within its budget
+        g.schema_grammar({"type": "string", "maxLength": n + 1})
+    assert g._MEMO._used <= 64 << 10 and len(g._MEMO._grammars) < 200
+    before = len(converted)
+    g.schema_grammar({"type": "string", "maxLength": 200})  # the latest: kept
+    assert len(converted) == before
+    g.schema_grammar({"type": "string", "maxLength": 1})  # the oldest: gone, converted again
+    assert len(converted) == before + 1
