@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -228,6 +229,35 @@ async def test_a_realistic_schema_is_accepted_and_every_reply_validates(
     for texts in await asyncio.gather(*(_contents(client, body) for body in bodies)):
         for text in texts:
             validator.validate(json.loads(text))
+
+
+async def test_patterns_with_a_required_character_after_a_class_are_served(
+    client: httpx.AsyncClient,
+) -> None:
+    """An e-mail's ``^[^@]+@[^@]+$``: the worker's greedy closing path stayed inside the
+    first class for ever, so every such request was refused as too long for any budget;
+    and ``.`` or a negated class may write ", \\ and control characters, escaped."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "email": {"type": "string", "pattern": "^[^@]+@[^@]+$"},
+            "name": {"type": "string", "pattern": "^.{1,12}$"},
+        },
+        "required": ["email", "name"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "who", "schema": schema}}
+    bodies = [
+        CHAT | {"response_format": fmt, "temperature": 1.0, "seed": i, "max_tokens": m}
+        for i in range(6)
+        for m in (120, 240)
+    ]
+    validator = jsonschema.Draft202012Validator(schema)
+    for texts in await asyncio.gather(*(_contents(client, body) for body in bodies)):
+        for text in texts:
+            value = json.loads(text)
+            validator.validate(value)
+            assert re.fullmatch("[^@]+@[^@]+", value["email"])
 
 
 @pytest.mark.parametrize(

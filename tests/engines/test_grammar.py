@@ -353,7 +353,7 @@ def test_the_closing_path_ends_valid_from_anywhere(
         length = g.closing_length(500)
         assert length is not None
         steps = 0
-        while (token := g.closing_token()) not in eog:
+        while (token := g.closing_token(500)) not in eog:
             g.accept(token)
             text += pieces[token]
             steps += 1
@@ -461,12 +461,15 @@ def _utf8(text: bytes, *, final: bool = False) -> bool:
 
 def _walk(
     g: Any, rng: Any, vocab: tuple[Any, int, list[bytes], list[int]], steps: int,
-    *, tricky: list[int], hints: list[int],
+    *, tricky: list[int], hints: list[int] | None = None,
 ) -> bytes:  # fmt: skip
     """``steps`` random tokens the grammar allows, half of them (where one is allowed)
     holding ``"``, a backslash or a control character, as a model at temperature 1 might
-    pick; then the closing path, or the next of ``hints`` where that would not end (it is
-    greedy: in ``[^@]+`` it takes "}" for ever, never the "@" that must follow).
+    pick; then the closing path, as long as ``closing_length`` said (the greedy path took
+    "}" in ``[^@]+`` for ever, never the "@" that must follow; a state met again now
+    takes another token). With ``hints``, the closing path but for the next hint where
+    it would not end (an e-mail pattern ending in a dot and two letters: its way out of
+    a loop takes a "." but never the two letters after it).
 
     Each token keeps the text UTF-8: llama.cpp's sampler reads bytes leniently (an
     overlong ``E0 92 BC`` as U+04BC, ``F6 B6 A3 80`` as a code point past U+10FFFF), which
@@ -486,16 +489,24 @@ def _walk(
         token = int(rng.choice(hard if hard.size and rng.random() < 0.5 else allowed))
         g.accept(token)
         text += pieces[token]
-    for _ in range(200):
+    while hints:
         if any(g.allows(t) for t in eog):
             return text
-        token = g.closing_token()
-        if g.closing_length(50) is None and hints and g.allows(hints[0]):
+        token = g.closing_token(50)
+        if g.closing_length(50) is None and g.allows(hints[0]):
             token = hints.pop(0)
+        g.accept(token)
+        text += pieces[token]
+    length = g.closing_length(200)
+    assert length is not None, f"no closing path after {text!r}"
+    steps = 0
+    while (token := g.closing_token(200)) not in eog:
         assert _utf8(text + pieces[token]), text
         g.accept(token)
         text += pieces[token]
-    raise AssertionError(f"no end after {text!r}")
+        steps += 1
+    assert steps == length, (steps, length, text)
+    return text
 
 
 #: Schemas whose references the converter resolved wrongly, or not at all.
@@ -522,24 +533,23 @@ def test_references_resolve_to_what_they_name(
     for seed in range(12):
         g = Grammar(v, n, grammar, order)
         try:
-            walk = _walk(g, np.random.default_rng(seed), vocab, seed * 4, tricky=[], hints=[])
+            walk = _walk(g, np.random.default_rng(seed), vocab, seed * 4, tricky=[])
         finally:
             g.close()
         jsonschema.validate(json.loads(walk), schema)
 
 
-#: (pattern, characters the walk spells where the closing path would not end, whether
-#: its values may hold what JSON escapes: ".", negated classes and \D \S \W hold ", \
-#: and control characters)
+#: (pattern, whether its values may hold what JSON escapes: ".", negated classes and
+#: \D \S \W hold ", \ and control characters)
 PATTERNS = [
     ("^.+$", b"", True),
     ("^[^a]{3,8}$", b"", True),
-    ("^[^@]+@[^@]+$", b"@", True),
+    ("^[^@]+@[^@]+$", b"", True),  # the greedy closing path never left [^@]+
     ('^a"b$', b"", True),
     ('^[a-z"\\\\]{2,6}$', b"", True),
     ("^[ -~]{1,10}$", b"", True),
     ("^\\D{3}\\S\\W\\s$", b"", True),
-    ("^[^\\s@]+@[^\\s@]+\\.[a-z]{2,3}$", b"@x.nn", True),
+    ("^[^\\s@]+@[^\\s@]+\\.[a-z]{2,3}$", b"@x.nn", True),  # see _walk's hints
     ("^(?:x|\\n|\\t)[\\x00-\\x1F]{2}\\\\\\f$", b"", True),
     ("^a]}\\{[\\]]$", b"", False),  # llama.cpp's converter looped for ever on "]"
 ]
@@ -563,14 +573,12 @@ def test_a_patterns_values_are_json_strings_the_pattern_matches(
     grammar = schema_grammar(schema)
     order = ClosingOrder(pieces, eog)
     tricky = [t for t, p in enumerate(pieces) if any(b in b'"\\' or b < 0x20 for b in p)]
-    hint_tokens = [pieces.index(bytes([b])) for b in hints]
     held = 0
     for seed in range(16):
         g = Grammar(v, n, grammar, order)
         try:
-            walk = _walk(
-                g, np.random.default_rng(seed), vocab, 24, tricky=tricky, hints=list(hint_tokens)
-            )
+            spell = [pieces.index(bytes([b])) for b in hints]
+            walk = _walk(g, np.random.default_rng(seed), vocab, 24, tricky=tricky, hints=spell)
         finally:
             g.close()
         value = json.loads(walk)
@@ -609,7 +617,7 @@ def test_forced_tool_calls_parameters_may_refer_to_their_own_defs(
     for seed in range(12):
         g = Grammar(v, n, grammar, order)
         try:
-            walk = _walk(g, np.random.default_rng(seed), vocab, seed * 4, tricky=[], hints=[])
+            walk = _walk(g, np.random.default_rng(seed), vocab, seed * 4, tricky=[])
         finally:
             g.close()
         text = walk.decode()

@@ -6,8 +6,9 @@ sampler picks among the rest, and the grammar accepts the pick.
 
 A grammar alone does not make generation end: a model can stay inside a string
 for ever, and ``max_tokens`` would then cut the value in half. So each step
-also keeps the *closing path* in reach: the shortest way (found greedily, see
-:meth:`Grammar.closing_length`) from the grammar's state to its end. A token is
+also keeps the *closing path* in reach: a short way (found greedily, see
+:meth:`Grammar.closing_length`, and out of loops: a state met again takes the next
+allowed token) from the grammar's state to its end. A token is
 taken only if, after it, the closing path still fits in the tokens left;
 otherwise the sequence *closes*: from then on it follows the closing path —
 end-of-generation where allowed, else ``"``, ``}``, ``]``, a digit, then any
@@ -33,6 +34,9 @@ _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 # string (or opens one that the next step closes),
 # value, a string, a container; the printable rest follows (forced literals).
 _PREFERRED = '"}]0123456789ntf,:'
+
+
+_NO_LOOPS: dict[bytes, int] = {}  # the greedy path's visits: none are counted
 
 
 class GrammarError(ValueError):
@@ -72,6 +76,8 @@ class Grammar:
         self._few = np.zeros(order.tokens.size, dtype=_TOKEN_DATA)  # [C]
         self._few["id"] = order.tokens
         self.closing = False  # following the closing path (the budget ran short)
+        self._visits: dict[bytes, int] | None = None  # closing: the path's states so far
+        self._loops_first = False  # the greedy path was seen stuck in a loop: try that last
 
     def close(self) -> None:
         if self._smpl:
@@ -95,21 +101,45 @@ class Grammar:
         _apply(self._smpl, one)
         return bool(np.isfinite(one["logit"][0]))
 
-    def closing_token(self) -> int:
-        """The next token of the closing path from the current state (end-of-generation
-        when the grammar may end); -1 when no token of the closing order is allowed."""
-        return self._closing_step(self._smpl)
+    def closing_token(self, limit: int) -> int:
+        """The next token of the closing path (end-of-generation when the grammar may
+        end); -1 when no token is allowed. The path is the one :meth:`closing_length`
+        found within ``limit`` tokens from the state where closing began."""
+        if self._visits is None:  # closing begins here: the first way that fits, as checked
+            for visits in self._ways():
+                if self._walk(limit, None, visits) is not None:
+                    break
+            self._visits = visits if visits is _NO_LOOPS else {}
+        return self._closing_step(self._smpl, self._visits)
 
     def closing_length(self, limit: int, after: int | None = None) -> int | None:
         """How many tokens the closing path takes (end-of-generation not counted), from
         the current state or, with ``after``, from the state after that token; ``None``
-        when it takes more than ``limit`` or gets stuck."""
+        when it takes more than ``limit`` or gets stuck. Two ways are tried: the greedy
+        path (the first token the closing order allows, each step) and the one that
+        leaves a state met again by another token (:meth:`_closing_step`); the greedy
+        first, until it was once seen stuck where the other was not."""
+        greedy_stuck = False
+        for visits in self._ways():
+            steps = self._walk(limit, after, visits)
+            if steps is not None:
+                self._loops_first = self._loops_first or greedy_stuck
+                return steps
+            greedy_stuck = visits is _NO_LOOPS
+        return None
+
+    def _ways(self) -> tuple[dict[bytes, int], dict[bytes, int]]:
+        """The visits of the two ways, in the order they are tried (a fresh count for
+        the loop-leaving one)."""
+        return ({}, _NO_LOOPS) if self._loops_first else (_NO_LOOPS, {})
+
+    def _walk(self, limit: int, after: int | None, visits: dict[bytes, int]) -> int | None:
         clone = lc.llama_sampler_clone(self._smpl)
         try:
             if after is not None:
                 lc.llama_sampler_accept(clone, after)
             for steps in range(limit + 1):
-                token = self._closing_step(clone)
+                token = self._closing_step(clone, visits)
                 if token < 0:
                     return None
                 if token in self._order.eog:
@@ -119,18 +149,33 @@ class Grammar:
         finally:
             lc.llama_sampler_free(clone)
 
-    def _closing_step(self, smpl: Any) -> int:
+    def _closing_step(self, smpl: Any, visits: dict[bytes, int]) -> int:
+        """The closing path's next token: the first the closing order allows. Counting
+        ``visits`` (not :data:`_NO_LOOPS`), a state met before on this path (known by the
+        order's tokens it allows) takes, on its k-th visit, the k-th allowed token, so
+        that a loop the first choice never leaves is left by another (in ``[^@]+@``,
+        ``}`` stays in the class for ever). End-of-generation whenever allowed."""
         few = self._few
         few["logit"] = 0.0
         _apply(smpl, few)
-        allowed = np.flatnonzero(np.isfinite(few["logit"]))
-        if allowed.size:
-            return int(few["id"][allowed[0]])
-        row = self._row  # none of the closing order: the first token allowed at all
-        row["logit"] = 0.0
-        _apply(smpl, row)
-        allowed = np.flatnonzero(np.isfinite(row["logit"]))
-        return int(row["id"][allowed[0]]) if allowed.size else -1
+        ok = np.isfinite(few["logit"])
+        allowed = np.flatnonzero(ok)
+        data = few
+        if not allowed.size:  # none of the closing order: the tokens allowed at all
+            data = self._row
+            data["logit"] = 0.0
+            _apply(smpl, data)
+            ok = np.isfinite(data["logit"])
+            allowed = np.flatnonzero(ok)
+            if not allowed.size:
+                return -1
+        first = int(data["id"][allowed[0]])
+        if first in self._order.eog or visits is _NO_LOOPS:
+            return first
+        key = np.packbits(ok).tobytes()
+        seen = visits.get(key, 0)
+        visits[key] = seen + 1
+        return int(data["id"][allowed[seen % allowed.size]])
 
 
 def _apply(smpl: Any, data: np.ndarray[Any, Any]) -> None:

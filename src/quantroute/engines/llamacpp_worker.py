@@ -988,7 +988,7 @@ class Worker:
             )
             grammar.closing = not fits
         if grammar.closing:
-            token = grammar.closing_token()
+            token = grammar.closing_token(left)
         return token, choice_of(masked, token, want_logprob=seq.logprobs, n_top=seq.n_top)
 
 
