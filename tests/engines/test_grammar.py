@@ -509,6 +509,24 @@ def _walk(
     return text
 
 
+def _walks(grammar: str, vocab: tuple[Any, int, list[bytes], list[int]]) -> list[bytes]:
+    """Twelve :func:`_walk` texts of ``grammar``, of 0, 4, ... 44 random tokens each."""
+    import numpy as np
+
+    from quantroute.engines.constrained import ClosingOrder, Grammar
+
+    v, n, pieces, eog = vocab
+    order = ClosingOrder(pieces, eog)
+    walks = []
+    for seed in range(12):
+        g = Grammar(v, n, grammar, order)
+        try:
+            walks.append(_walk(g, np.random.default_rng(seed), vocab, seed * 4, tricky=[]))
+        finally:
+            g.close()
+    return walks
+
+
 #: Schemas whose references the converter resolved wrongly, or not at all.
 REFERENCES = [REF_AT_ROOT, NAMES_TAKEN, TREE, KEYWORD_NAMES]
 
@@ -523,19 +541,7 @@ def test_references_resolve_to_what_they_name(
     inside them unresolved and refused the schema), one to a definition named as another
     rule (the converter gave it that rule: a string for an integer, its optional space
     for a boolean), recursion; and patterns under properties named as keywords."""
-    import numpy as np
-
-    from quantroute.engines.constrained import ClosingOrder, Grammar
-
-    v, n, pieces, eog = vocab
-    grammar = schema_grammar(schema)
-    order = ClosingOrder(pieces, eog)
-    for seed in range(12):
-        g = Grammar(v, n, grammar, order)
-        try:
-            walk = _walk(g, np.random.default_rng(seed), vocab, seed * 4, tricky=[])
-        finally:
-            g.close()
+    for walk in _walks(schema_grammar(schema), vocab):
         jsonschema.validate(json.loads(walk), schema)
 
 
@@ -594,11 +600,6 @@ def test_forced_tool_calls_parameters_may_refer_to_their_own_defs(
     """A reference in a tool's parameters is read from the parameters' root (the
     converter read it from the tool call around them, and refused every one), and two
     tools may each have a definition of the same name."""
-    import numpy as np
-
-    from quantroute.engines.constrained import ClosingOrder, Grammar
-
-    v, n, pieces, eog = vocab
     params = {
         "f": {
             "type": "object",
@@ -611,15 +612,8 @@ def test_forced_tool_calls_parameters_may_refer_to_their_own_defs(
             "$defs": {"Person": {"type": "array", "items": {"type": "boolean"}, "minItems": 1}},
         },
     }
-    grammar = tool_call_grammar(list(params.items()), parallel=False)
-    order = ClosingOrder(pieces, eog)
     names = set()
-    for seed in range(12):
-        g = Grammar(v, n, grammar, order)
-        try:
-            walk = _walk(g, np.random.default_rng(seed), vocab, seed * 4, tricky=[])
-        finally:
-            g.close()
+    for walk in _walks(tool_call_grammar(list(params.items()), parallel=False), vocab):
         text = walk.decode()
         assert text.startswith("<tool_call>") and text.endswith("</tool_call>"), text
         call = json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
