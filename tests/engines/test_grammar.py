@@ -473,7 +473,8 @@ def _walk(
 
     Each token keeps the text UTF-8: llama.cpp's sampler reads bytes leniently (an
     overlong ``E0 92 BC`` as U+04BC, ``F6 B6 A3 80`` as a code point past U+10FFFF), which
-    no grammar can tell apart, and the worker's decoding makes each bad byte a U+FFFD."""
+    no grammar can tell apart; ``Grammar.mask`` leaves such tokens out (tested on its own
+    below), and the walk checks as well."""
     import numpy as np
 
     _, n, pieces, eog = vocab
@@ -656,3 +657,54 @@ def test_a_schema_seen_before_is_not_converted_again_and_the_memo_is_bounded(
     assert len(converted) == before
     g.schema_grammar({"type": "string", "maxLength": 1})  # the oldest: gone, converted again
     assert len(converted) == before + 1
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "maxLength": 2},
+        {"type": "string", "pattern": "^[^a]{1,3}$"},
+        {"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}},
+    ],
+)
+def test_every_token_the_grammar_allows_keeps_the_output_utf8(
+    vocab: tuple[Any, int, list[bytes], list[int]], schema: dict[str, Any]
+) -> None:
+    """llama.cpp's grammar sampler reads bytes leniently (an overlong ``E0 92 BC`` passes
+    as U+04BC), and the worker decodes each bad byte as U+FFFD, which broke a string's
+    ``maxLength``; the mask keeps only the tokens after which the output is UTF-8, the
+    closing path too, so whatever a model picks the text decodes and validates."""
+    import numpy as np
+
+    from quantroute.engines.constrained import ClosingOrder, Grammar
+
+    v, n, pieces, eog = vocab
+    grammar = schema_grammar(schema)
+    order = ClosingOrder(pieces, eog)
+    high = [t for t, p in enumerate(pieces) if p and p[0] >= 0x80]  # lead and trail bytes
+    for seed in range(150):
+        rng = np.random.default_rng(seed)
+        g = Grammar(v, n, grammar, order)
+        text = b""
+        try:
+            for _ in range(int(rng.integers(0, 6))):
+                allowed = np.flatnonzero(np.isfinite(g.mask(np.zeros(n, dtype=np.float32))))
+                allowed = allowed[~np.isin(allowed, eog)]
+                if not allowed.size:
+                    break
+                hard = allowed[np.isin(allowed, high)]
+                token = int(rng.choice(hard if hard.size and rng.random() < 0.8 else allowed))
+                g.accept(token)
+                text += pieces[token]
+            length = g.closing_length(200)
+            assert length is not None, text
+            steps = 0
+            while (token := g.closing_token(200)) not in eog:
+                g.accept(token)
+                text += pieces[token]
+                steps += 1
+        finally:
+            g.close()
+        assert steps == length
+        value = json.loads(text.decode("utf-8"))  # strict: no byte the worker would replace
+        jsonschema.validate(value, schema)

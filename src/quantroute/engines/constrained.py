@@ -1,8 +1,9 @@
 """A sequence's grammar in the worker: llama.cpp's GBNF sampler, driven from numpy.
 
 Each step the grammar masks the row of logits (tokens it does not allow get
-``-inf``; end-of-generation only where the grammar may end), the worker's own
-sampler picks among the rest, and the grammar accepts the pick.
+``-inf``; end-of-generation only where the grammar may end; and any token after
+which the output would not be UTF-8, which llama.cpp's sampler does not check), the
+worker's own sampler picks among the rest, and the grammar accepts the pick.
 
 A grammar alone does not make generation end: a model can stay inside a string
 for ever, and ``max_tokens`` would then cut the value in half. So each step
@@ -21,6 +22,7 @@ refused before it starts.
 
 from __future__ import annotations
 
+import codecs
 import ctypes
 from typing import Any
 
@@ -60,6 +62,27 @@ class ClosingOrder:
         ordered = list(eog) + [by_piece[c] for c in chars if c in by_piece]
         self.tokens = np.array(ordered, dtype=np.int32)  # [C]
         self.eog = frozenset(eog)
+        self.pieces = pieces
+        # [V] what a token may follow a whole character with: its bytes begin UTF-8 text
+        self.fresh = np.array([utf8_after(b"", p) is not None for p in pieces], dtype=bool)
+
+
+def utf8_after(pending: bytes, piece: bytes) -> bytes | None:
+    """The bytes of a character still incomplete once ``piece`` follows ``pending`` (the
+    incomplete one before it), or ``None`` when they are not UTF-8, or cannot become
+    it: an overlong form, a surrogate, past U+10FFFF. llama.cpp's grammar sampler reads
+    bytes leniently (``E0 92 BC`` passes as U+04BC), and the worker would decode each
+    bad byte as U+FFFD, which a string's ``maxLength`` or pattern does not count on."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    decoder.setstate((pending, 0))
+    try:
+        decoder.decode(piece)
+    except UnicodeDecodeError:
+        return None
+    rest: bytes = decoder.getstate()[0]
+    if rest[:1] == b"\xed" and rest[1:2] >= b"\xa0":  # a surrogate: refused only at its end
+        return None
+    return rest
 
 
 class Grammar:
@@ -76,6 +99,7 @@ class Grammar:
         self._few = np.zeros(order.tokens.size, dtype=_TOKEN_DATA)  # [C]
         self._few["id"] = order.tokens
         self.closing = False  # following the closing path (the budget ran short)
+        self._pending = b""  # the output's last character, while its bytes are incomplete
         self._visits: dict[bytes, int] | None = None  # closing: the path's states so far
         self._loops_first = False  # the greedy path was seen stuck in a loop: try that last
 
@@ -88,12 +112,16 @@ class Grammar:
         """``logits`` (``[V]``) with every token the grammar does not allow now at ``-inf``."""
         self._row["logit"] = logits
         _apply(self._smpl, self._row)
-        return self._row["logit"].astype(np.float64)
+        masked = self._row["logit"].astype(np.float64)
+        _keep_utf8(masked, self._pending, self._order)
+        return masked
 
     def accept(self, token: int) -> None:
         """Advance past ``token``, which :meth:`mask` allowed (llama.cpp aborts the
         process on a token its grammar does not allow)."""
         lc.llama_sampler_accept(self._smpl, token)
+        if token not in self._order.eog:
+            self._pending = utf8_after(self._pending, self._order.pieces[token]) or b""
 
     def allows(self, token: int) -> bool:
         one = np.zeros(1, dtype=_TOKEN_DATA)
@@ -110,7 +138,7 @@ class Grammar:
                 if self._walk(limit, None, visits) is not None:
                     break
             self._visits = visits if visits is _NO_LOOPS else {}
-        return self._closing_step(self._smpl, self._visits)
+        return self._closing_step(self._smpl, self._visits, self._pending)
 
     def closing_length(self, limit: int, after: int | None = None) -> int | None:
         """How many tokens the closing path takes (end-of-generation not counted), from
@@ -135,37 +163,46 @@ class Grammar:
 
     def _walk(self, limit: int, after: int | None, visits: dict[bytes, int]) -> int | None:
         clone = lc.llama_sampler_clone(self._smpl)
+        pieces, pending = self._order.pieces, self._pending
         try:
             if after is not None:
                 lc.llama_sampler_accept(clone, after)
+                if after not in self._order.eog:
+                    pending = utf8_after(pending, pieces[after]) or b""
             for steps in range(limit + 1):
-                token = self._closing_step(clone, visits)
+                token = self._closing_step(clone, visits, pending)
                 if token < 0:
                     return None
                 if token in self._order.eog:
                     return steps
                 lc.llama_sampler_accept(clone, token)
+                if pending or not pieces[token].isascii():  # else nothing is pending after
+                    pending = utf8_after(pending, pieces[token]) or b""
             return None
         finally:
             lc.llama_sampler_free(clone)
 
-    def _closing_step(self, smpl: Any, visits: dict[bytes, int]) -> int:
+    def _closing_step(self, smpl: Any, visits: dict[bytes, int], pending: bytes) -> int:
         """The closing path's next token: the first the closing order allows. Counting
         ``visits`` (not :data:`_NO_LOOPS`), a state met before on this path (known by the
         order's tokens it allows) takes, on its k-th visit, the k-th allowed token, so
         that a loop the first choice never leaves is left by another (in ``[^@]+@``,
-        ``}`` stays in the class for ever). End-of-generation whenever allowed."""
+        ``}`` stays in the class for ever). End-of-generation whenever allowed. Inside a
+        character (``pending``), only the tokens that go on with it as UTF-8."""
         few = self._few
         few["logit"] = 0.0
-        _apply(smpl, few)
-        ok = np.isfinite(few["logit"])
+        if not pending:  # the order's tokens are one ASCII byte or end-of-generation
+            _apply(smpl, few)
+        ok = np.isfinite(few["logit"]) & (not pending)
         allowed = np.flatnonzero(ok)
         data = few
         if not allowed.size:  # none of the closing order: the tokens allowed at all
             data = self._row
             data["logit"] = 0.0
             _apply(smpl, data)
-            ok = np.isfinite(data["logit"])
+            logits = data["logit"].astype(np.float64)
+            _keep_utf8(logits, pending, self._order)
+            ok = np.isfinite(logits)
             allowed = np.flatnonzero(ok)
             if not allowed.size:
                 return -1
@@ -176,6 +213,18 @@ class Grammar:
         seen = visits.get(key, 0)
         visits[key] = seen + 1
         return int(data["id"][allowed[seen % allowed.size]])
+
+
+def _keep_utf8(logits: np.ndarray[Any, Any], pending: bytes, order: ClosingOrder) -> None:
+    """``-inf``, in place, for each token after which the output would not be UTF-8:
+    following a whole character, those whose bytes do not begin UTF-8 text; inside one
+    (``pending``), those allowed that do not go on with it, and end-of-generation."""
+    if not pending:
+        logits[~order.fresh] = -np.inf
+        return
+    for token in np.flatnonzero(np.isfinite(logits)):
+        if token in order.eog or utf8_after(pending, order.pieces[token]) is None:
+            logits[token] = -np.inf
 
 
 def _apply(smpl: Any, data: np.ndarray[Any, Any]) -> None:
