@@ -82,7 +82,16 @@ async def test_pressure_moves_free_memory_and_is_sim_only(
         await client.put("/admin/devices/sim:9/pressure", json={"bytes": 1}, headers=ADMIN)
     ).status_code == 404
     bad = await client.put("/admin/devices/sim:1/pressure", json={"bytes": -1}, headers=ADMIN)
-    assert bad.status_code == 400
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "bytes"
+    # a form's content type, as curl -d sends: still read as JSON
+    form = {"content-type": "application/x-www-form-urlencoded"} | ADMIN
+    r = await client.put("/admin/devices/sim:1/pressure", content=b'{"bytes": 0}', headers=form)
+    assert r.status_code == 200 and r.json() == {"device": "sim:1", "pressure_bytes": 0}
+    for content, param in ((b'{"bytes": "x"}', "bytes"), (b"[1]", None), (b"", None)):
+        r = await client.put("/admin/devices/sim:1/pressure", content=content, headers=ADMIN)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == param, error
+        assert error["type"] == "invalid_request_error"
 
 
 async def test_a_dead_worker_leaves_its_device_and_lowers_its_health(

@@ -304,8 +304,13 @@ async def reload_repository(request: Request) -> dict[str, Any]:
 
 
 @router.put("/admin/devices/{device_id}/pressure", dependencies=[Depends(require_admin)])
-async def set_pressure(request: Request, device_id: str, body: PressureBody) -> dict[str, Any]:
-    """Simulated devices only: occupy ``bytes`` of a device, as another tenant would."""
+async def set_pressure(request: Request, device_id: str) -> dict[str, Any]:
+    """Simulated devices only: occupy ``bytes`` of a device, as another tenant would. The
+    body is read as JSON whatever its content type (``curl -d`` sends a form's)."""
+    try:
+        body = parse_body(await request.body(), PressureBody)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from exc
     _service(request).set_pressure(device_id, body.bytes)
     return {"device": device_id, "pressure_bytes": body.bytes}
 
