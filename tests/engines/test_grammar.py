@@ -708,3 +708,28 @@ def test_every_token_the_grammar_allows_keeps_the_output_utf8(
         assert steps == length
         value = json.loads(text.decode("utf-8"))  # strict: no byte the worker would replace
         jsonschema.validate(value, schema)
+
+
+def test_the_utf8_mask_never_leaves_nothing(
+    vocab: tuple[Any, int, list[bytes], list[int]],
+) -> None:
+    """Inside a character, only the bytes that go on with it as UTF-8 are kept (after
+    ``E0``: ``A0``..``BF``, not the overlong ``80``..``9F`` llama.cpp would pass); where
+    the grammar allowed none of those, what it allowed stays: a byte the worker decodes
+    as U+FFFD, never a row with no token to take."""
+    import numpy as np
+
+    from quantroute.engines.constrained import ClosingOrder, _keep_utf8
+
+    _, n, pieces, eog = vocab
+    order = ClosingOrder(pieces, eog)
+    byte = {p[0]: t for t, p in enumerate(pieces) if len(p) == 1}
+    logits = np.full(n, -np.inf)
+    logits[[byte[0x80], byte[0x9F], byte[0xA0], byte[0xBF], byte[0x41]]] = 0.0
+    kept = _keep_utf8(logits, b"\xe0", order)
+    assert set(np.flatnonzero(np.isfinite(kept))) == {byte[0xA0], byte[0xBF]}
+    only_overlong = np.full(n, -np.inf)
+    only_overlong[byte[0x80]] = 0.0
+    assert np.array_equal(_keep_utf8(only_overlong, b"\xe0", order), only_overlong)
+    fresh = _keep_utf8(np.zeros(n), b"", order)  # after a whole character: no trail byte
+    assert not np.isfinite(fresh[byte[0x80]]) and np.isfinite(fresh[byte[0x41]])

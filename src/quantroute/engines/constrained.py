@@ -113,8 +113,7 @@ class Grammar:
         self._row["logit"] = logits
         _apply(self._smpl, self._row)
         masked = self._row["logit"].astype(np.float64)
-        _keep_utf8(masked, self._pending, self._order)
-        return masked
+        return _keep_utf8(masked, self._pending, self._order)
 
     def accept(self, token: int) -> None:
         """Advance past ``token``, which :meth:`mask` allowed (llama.cpp aborts the
@@ -200,8 +199,7 @@ class Grammar:
             data = self._row
             data["logit"] = 0.0
             _apply(smpl, data)
-            logits = data["logit"].astype(np.float64)
-            _keep_utf8(logits, pending, self._order)
+            logits = _keep_utf8(data["logit"].astype(np.float64), pending, self._order)
             ok = np.isfinite(logits)
             allowed = np.flatnonzero(ok)
             if not allowed.size:
@@ -215,16 +213,23 @@ class Grammar:
         return int(data["id"][allowed[seen % allowed.size]])
 
 
-def _keep_utf8(logits: np.ndarray[Any, Any], pending: bytes, order: ClosingOrder) -> None:
-    """``-inf``, in place, for each token after which the output would not be UTF-8:
+def _keep_utf8(
+    logits: np.ndarray[Any, Any], pending: bytes, order: ClosingOrder
+) -> np.ndarray[Any, Any]:
+    """``logits`` with ``-inf`` for each token after which the output would not be UTF-8:
     following a whole character, those whose bytes do not begin UTF-8 text; inside one
-    (``pending``), those allowed that do not go on with it, and end-of-generation."""
+    (``pending``), those allowed that do not go on with it, and end-of-generation. When
+    that leaves nothing (a class whose only way on, read leniently, is an overlong
+    form), ``logits`` as they were: a byte the worker decodes as U+FFFD, not a sequence
+    with no token to take (llama.cpp aborts on a token its grammar does not allow)."""
+    kept = logits.copy()
     if not pending:
-        logits[~order.fresh] = -np.inf
-        return
-    for token in np.flatnonzero(np.isfinite(logits)):
-        if token in order.eog or utf8_after(pending, order.pieces[token]) is None:
-            logits[token] = -np.inf
+        kept[~order.fresh] = -np.inf
+    else:
+        for token in np.flatnonzero(np.isfinite(kept)):
+            if token in order.eog or utf8_after(pending, order.pieces[token]) is None:
+                kept[token] = -np.inf
+    return kept if np.isfinite(kept).any() or not np.isfinite(logits).any() else logits
 
 
 def _apply(smpl: Any, data: np.ndarray[Any, Any]) -> None:
