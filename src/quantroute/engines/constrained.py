@@ -63,8 +63,16 @@ class ClosingOrder:
         self.tokens = np.array(ordered, dtype=np.int32)  # [C]
         self.eog = frozenset(eog)
         self.pieces = pieces
-        # [V] what a token may follow a whole character with: its bytes begin UTF-8 text
-        self.fresh = np.array([utf8_after(b"", p) is not None for p in pieces], dtype=bool)
+        # [V] what a token may follow a whole character with: its bytes begin UTF-8 text.
+        # Not a control token (<s>, <unk>): the worker writes nothing for it, where the
+        # grammar would read its special text ("<s>" in a string), so the two part ways.
+        self.fresh = np.array(
+            [
+                utf8_after(b"", p) is not None and (p != b"" or t in eog)
+                for t, p in enumerate(pieces)
+            ],
+            dtype=bool,
+        )
 
 
 def utf8_after(pending: bytes, piece: bytes) -> bytes | None:
@@ -218,7 +226,8 @@ def _keep_utf8(
 ) -> np.ndarray[Any, Any]:
     """``logits`` with ``-inf`` for each token after which the output would not be UTF-8:
     following a whole character, those whose bytes do not begin UTF-8 text; inside one
-    (``pending``), those allowed that do not go on with it, and end-of-generation. When
+    (``pending``), those allowed that do not go on with it, and end-of-generation; and
+    control tokens, which write nothing where the grammar reads their text. When
     that leaves nothing (a class whose only way on, read leniently, is an overlong
     form), ``logits`` as they were: a byte the worker decodes as U+FFFD, not a sequence
     with no token to take (llama.cpp aborts on a token its grammar does not allow)."""
@@ -227,7 +236,8 @@ def _keep_utf8(
         kept[~order.fresh] = -np.inf
     else:
         for token in np.flatnonzero(np.isfinite(kept)):
-            if token in order.eog or utf8_after(pending, order.pieces[token]) is None:
+            piece = order.pieces[token]
+            if token in order.eog or not piece or utf8_after(pending, piece) is None:
                 kept[token] = -np.inf
     return kept if np.isfinite(kept).any() or not np.isfinite(logits).any() else logits
 
