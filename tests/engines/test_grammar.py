@@ -701,8 +701,8 @@ def test_the_utf8_mask_never_leaves_nothing(
 ) -> None:
     """Inside a character, only the bytes that go on with it as UTF-8 are kept (after
     ``E0``: ``A0``..``BF``, not the overlong ``80``..``9F`` llama.cpp would pass); where
-    the grammar allowed none of those, what it allowed stays: a byte the worker decodes
-    as U+FFFD, never a row with no token to take."""
+    the grammar allowed none of those it says so, and ``Grammar.mask`` takes what the
+    grammar allowed: a byte the worker decodes as U+FFFD, never a row with no token."""
     import numpy as np
 
     from quantroute.engines.constrained import ClosingOrder, _keep_utf8
@@ -712,12 +712,13 @@ def test_the_utf8_mask_never_leaves_nothing(
     byte = {p[0]: t for t, p in enumerate(pieces) if len(p) == 1}
     logits = np.full(n, -np.inf)
     logits[[byte[0x80], byte[0x9F], byte[0xA0], byte[0xBF], byte[0x41]]] = 0.0
-    kept = _keep_utf8(logits, b"\xe0", order)
-    assert set(np.flatnonzero(np.isfinite(kept))) == {byte[0xA0], byte[0xBF]}
+    assert _keep_utf8(logits, b"\xe0", order)
+    assert set(np.flatnonzero(np.isfinite(logits))) == {byte[0xA0], byte[0xBF]}
     only_overlong = np.full(n, -np.inf)
     only_overlong[byte[0x80]] = 0.0
-    assert np.array_equal(_keep_utf8(only_overlong, b"\xe0", order), only_overlong)
-    fresh = _keep_utf8(np.zeros(n), b"", order)  # after a whole character: no trail byte
+    assert not _keep_utf8(only_overlong, b"\xe0", order)  # nothing left: the caller's turn
+    fresh = np.zeros(n)
+    assert _keep_utf8(fresh, b"", order)  # after a whole character: no trail byte
     assert not np.isfinite(fresh[byte[0x80]]) and np.isfinite(fresh[byte[0x41]])
     # nor a control token: the worker writes nothing for <s>, where the grammar reads "<s>"
     control = [t for t, p in enumerate(pieces) if not p and t not in eog]

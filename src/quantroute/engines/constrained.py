@@ -121,7 +121,9 @@ class Grammar:
         self._row["logit"] = logits
         _apply(self._smpl, self._row)
         masked = self._row["logit"].astype(np.float64)
-        return _keep_utf8(masked, self._pending, self._order)
+        if not _keep_utf8(masked, self._pending, self._order):
+            masked = self._row["logit"].astype(np.float64)  # what the grammar allowed
+        return masked
 
     def accept(self, token: int) -> None:
         """Advance past ``token``, which :meth:`mask` allowed (llama.cpp aborts the
@@ -207,7 +209,9 @@ class Grammar:
             data = self._row
             data["logit"] = 0.0
             _apply(smpl, data)
-            logits = _keep_utf8(data["logit"].astype(np.float64), pending, self._order)
+            logits = data["logit"].astype(np.float64)
+            if not _keep_utf8(logits, pending, self._order):
+                logits = data["logit"].astype(np.float64)  # what the grammar allowed
             ok = np.isfinite(logits)
             allowed = np.flatnonzero(ok)
             if not allowed.size:
@@ -221,25 +225,23 @@ class Grammar:
         return int(data["id"][allowed[seen % allowed.size]])
 
 
-def _keep_utf8(
-    logits: np.ndarray[Any, Any], pending: bytes, order: ClosingOrder
-) -> np.ndarray[Any, Any]:
-    """``logits`` with ``-inf`` for each token after which the output would not be UTF-8:
+def _keep_utf8(logits: np.ndarray[Any, Any], pending: bytes, order: ClosingOrder) -> bool:
+    """``-inf``, in place, for each token after which the output would not be UTF-8:
     following a whole character, those whose bytes do not begin UTF-8 text; inside one
     (``pending``), those allowed that do not go on with it, and end-of-generation; and
-    control tokens, which write nothing where the grammar reads their text. When
-    that leaves nothing (a class whose only way on, read leniently, is an overlong
-    form), ``logits`` as they were: a byte the worker decodes as U+FFFD, not a sequence
-    with no token to take (llama.cpp aborts on a token its grammar does not allow)."""
-    kept = logits.copy()
+    control tokens, which write nothing where the grammar reads their text. Whether any
+    token is left: when none is (a class whose only way on, read leniently, is an
+    overlong form) the caller takes what the grammar allowed, a byte the worker decodes
+    as U+FFFD, not a row with no token to take (llama.cpp aborts on a token its grammar
+    does not allow)."""
     if not pending:
-        kept[~order.fresh] = -np.inf
+        logits[~order.fresh] = -np.inf
     else:
-        for token in np.flatnonzero(np.isfinite(kept)):
+        for token in np.flatnonzero(np.isfinite(logits)):
             piece = order.pieces[token]
             if token in order.eog or not piece or utf8_after(pending, piece) is None:
-                kept[token] = -np.inf
-    return kept if np.isfinite(kept).any() or not np.isfinite(logits).any() else logits
+                logits[token] = -np.inf
+    return bool(np.isfinite(logits).any())
 
 
 def _apply(smpl: Any, data: np.ndarray[Any, Any]) -> None:
