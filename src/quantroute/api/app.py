@@ -9,6 +9,7 @@ sends a response's head and its first body in one TCP segment.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator
@@ -23,6 +24,7 @@ from quantroute.api.errors import install_error_handlers
 from quantroute.api.gateway import Gateway
 from quantroute.api.routes import GenerationRoutes, router
 from quantroute.config import Settings
+from quantroute.engines import pattern
 from quantroute.resilience.resume import StreamStore
 from quantroute.routing.table import RouteTable
 from quantroute.telemetry import DeviceProvider
@@ -39,6 +41,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await asyncio.to_thread(pattern.warm)  # once per process, off the event loop
         await gateway.start()
         try:
             yield

@@ -216,6 +216,13 @@ def _minus(ranges: _Ranges, less: _Ranges) -> _Ranges:
     return _complement(_normal([*_complement(ranges), *less]))
 
 
+def warm() -> None:
+    """Build the tables a first pattern would otherwise build where it is converted, on
+    the event loop: Python's decimal digits take ~50 ms (every code point scanned once).
+    The app's lifespan calls it in a thread before it serves."""
+    _decimals()
+
+
 @cache
 def _decimals() -> _Ranges:
     """The characters Python's ``\\d`` matches (Unicode's decimal digits): ECMA-262's
