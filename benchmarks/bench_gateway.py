@@ -119,8 +119,14 @@ def free_port() -> int:
 
 
 def cpu_seconds(pid: int) -> float:
-    t = psutil.Process(pid).cpu_times()
-    return float(t.user + t.system)
+    """A process's CPU time (user + system, every thread, exited ones included): its
+    scheduler clock on Linux, to the nanosecond, where ``/proc``'s figures count in
+    10 ms ticks (a one-client stream of a thousand tokens is only a few ticks)."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)  # Linux: the process's CPUCLOCK_SCHED
+    except OSError:
+        t = psutil.Process(pid).cpu_times()
+        return float(t.user + t.system)
 
 
 async def wait_ready(base: str, timeout_s: float = 60.0) -> None:
