@@ -177,6 +177,27 @@ async def test_a_slow_prompt_is_tokenized_while_the_other_sequences_decode() -> 
         await engine.stop()
 
 
+async def test_a_short_prompt_is_not_held_behind_a_slow_one_being_tokenized() -> None:
+    """A long prompt is tokenized on a thread of its own (engines/tokenizer.py): a short
+    request that arrives while it is being tokenized is answered first. On one tokenizer
+    thread it waited for all of the slow prompt's 1.5 s."""
+    engine = await _engine(parallel=2, n_ctx=65536)
+    try:
+        started = time.perf_counter()
+        slow = asyncio.create_task(_run(engine, _req("\x7f" * 200_000, max_tokens=1)))
+        await asyncio.sleep(0.1)  # in the tokenizer by now
+        text, finish, _ = await _run(engine, _req(max_tokens=4, ignore_eos=True))
+        short_done = time.perf_counter() - started
+        assert finish.completion_tokens == 4 and text
+        assert not slow.done(), short_done  # answered while the slow prompt still tokenizes
+        with pytest.raises(ContextLengthExceededError):
+            await slow
+        took = time.perf_counter() - started
+        assert took > 0.5 and short_done < took / 2, (short_done, took)
+    finally:
+        await engine.stop()
+
+
 async def test_concurrent_requests_are_batched_not_queued(engine: LlamaCppEngine) -> None:
     n_tokens = 200
     req = _req(max_tokens=n_tokens, ignore_eos=True)

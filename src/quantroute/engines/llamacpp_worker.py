@@ -78,11 +78,12 @@ Scheduling is continuous batching: every step puts the next token of every
 decoding sequence and a slice of any waiting prompt into one ``llama_decode``.
 
 Prompts are tokenized off the decode loop (``engines/tokenizer.py``): the reader
-thread hands each command's text prompt to a tokenizer thread as it arrives, and the
-loop admits the command once its tokens are ready, stepping the other sequences
-meanwhile (a long prompt, or one of llama.cpp's quadratic inputs, used to hold every
-sequence). A ``gen`` whose bytes alone say it cannot fit the context is refused
-without tokenizing it.
+thread hands each command's text prompt to a tokenizer thread as it arrives (long
+ones to a second, so they do not hold the short ones), and the loop admits the
+command once its tokens are ready, stepping the other sequences meanwhile (a long
+prompt, or one of llama.cpp's quadratic inputs, used to hold every sequence). A
+``gen`` whose bytes alone say it cannot fit the context is refused without
+tokenizing it.
 
 Prompt caching (``engines/prompt_cache.py``; off with ``--no-prompt-cache``): a
 finished generation leaves its KV cells in its slot; a new ``gen`` takes the free

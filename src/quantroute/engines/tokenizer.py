@@ -8,8 +8,14 @@ reason. Here the worker's reader thread hands each prompt to :class:`PromptToken
 as its command arrives; the decode loop admits the command once its tokens are
 ready, and steps the other sequences meanwhile.
 
+Prompts of ``LONG_CHARS`` characters or more go to a second thread of their own,
+so a long or slow prompt (a megabyte of one character takes llama.cpp 100 s) does
+not hold the admission of the short ones that arrive after it; each lane keeps its
+prompts in the order they came.
+
 ``llama_tokenize`` reads only the vocabulary, which nothing writes after the model
-loads, so it runs beside ``llama_decode``; ctypes releases the GIL for the call, so
+loads, so it runs beside ``llama_decode`` and beside itself (llama-server tokenizes
+on several HTTP threads at once); ctypes releases the GIL for the call, so
 the loop's Python runs too.
 """
 
@@ -42,25 +48,38 @@ class Pending:
         return self.tokens
 
 
-class PromptTokenizer:
-    """One thread that tokenizes prompts in the order they are submitted and calls
-    ``wake`` after each, so a loop blocked on its commands looks again."""
+# At most about 11 ms of llama.cpp's tokenizer on its worst input (a run of one character;
+# 30 KB of one takes 0.04 s) and a few ms on text: what a short prompt may wait behind.
+LONG_CHARS = 16_384
 
-    def __init__(self, tokenize: Callable[[str, bool], list[int]], wake: Callable[[], None]):
+
+class PromptTokenizer:
+    """Two threads, one for prompts shorter than ``long_chars`` and one for the rest,
+    each tokenizing its prompts in the order they are submitted and calling ``wake``
+    after each, so a loop blocked on its commands looks again."""
+
+    def __init__(
+        self,
+        tokenize: Callable[[str, bool], list[int]],
+        wake: Callable[[], None],
+        long_chars: int = LONG_CHARS,
+    ):
         self._tokenize = tokenize
         self._wake = wake
-        self._queue: queue.SimpleQueue[Pending] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="tokenizer", daemon=True)
-        self._thread.start()
+        self._long_chars = long_chars
+        self._short: queue.SimpleQueue[Pending] = queue.SimpleQueue()
+        self._long: queue.SimpleQueue[Pending] = queue.SimpleQueue()
+        for lane, name in ((self._short, "tokenizer"), (self._long, "tokenizer-long")):
+            threading.Thread(target=self._run, args=(lane,), name=name, daemon=True).start()
 
     def submit(self, text: str, special: bool) -> Pending:
         pending = Pending(text, special)
-        self._queue.put(pending)
+        (self._long if len(text) >= self._long_chars else self._short).put(pending)
         return pending
 
-    def _run(self) -> None:
+    def _run(self, lane: queue.SimpleQueue[Pending]) -> None:
         while True:
-            pending = self._queue.get()
+            pending = lane.get()
             try:
                 if not pending.cancelled:
                     pending.tokens = self._tokenize(pending.text, pending.special)
