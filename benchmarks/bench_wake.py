@@ -46,6 +46,8 @@ from typing import Any
 
 import uvloop
 
+from quantroute.telemetry.cpu import cpu_model
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gateway  # a sibling script: the paced load and its floor
 
@@ -258,17 +260,6 @@ def first_token_path(prefill_ms: float, requests: int, rounds: int) -> dict[str,
         "ratio": idle / warm,
         "rounds_us": spans,
     }
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else the architecture."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def markdown(result: dict[str, Any]) -> str:

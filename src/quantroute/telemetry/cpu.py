@@ -137,7 +137,8 @@ def read_cgroup_memory(
     return best
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else the architecture."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -162,7 +163,7 @@ class CpuProvider:
     ) -> None:
         self._cgroup_root = cgroup_root
         self._proc_cgroup = proc_cgroup
-        self._model = _cpu_model()
+        self._model = cpu_model()
         self._n_cpus = len(os.sched_getaffinity(0))
         psutil.cpu_percent(interval=None)  # prime: the first call has nothing to compare with
 
