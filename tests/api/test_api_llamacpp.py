@@ -112,6 +112,40 @@ async def test_stream_equals_whole_and_n_choices_differ_by_seed(client: httpx.As
     assert texts[0] != texts[1]  # seed + i per choice
 
 
+@pytest.mark.parametrize(("chat", "logprobs"), [(False, False), (True, False), (True, True)])
+async def test_streams_from_the_worker_equal_whole_responses(
+    client: httpx.AsyncClient, chat: bool, logprobs: bool
+) -> None:
+    """A llama.cpp stream's plain tokens are handed from the worker's pipe to the stream
+    store in the engine's task, a logprobs token or the end through the producer's: the
+    same text as the whole response, every token counted, every event numbered."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    prompt = {"messages": [{"role": "user", "content": "def"}]} if chat else {"prompt": "def "}
+    extra: dict[str, Any] = {"logprobs": True} if logprobs else {}
+    body = {"model": "tiny-llama:q8_0", "max_tokens": 40, "n": 2, "temperature": 0.0}
+    body |= {"ignore_eos": True} | prompt | extra
+    whole = (await client.post(path, json=body)).json()
+    r = await client.post(
+        path, json=body | {"stream": True, "stream_options": {"include_usage": True}}
+    )
+    events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    assert events[-1]["usage"]["completion_tokens"] == 80
+    for index in range(2):
+        chunks = [c for e in events for c in e["choices"] if c["index"] == index]
+        if chat:
+            text = "".join(c["delta"].get("content") or "" for c in chunks)
+            expected = whole["choices"][index]["message"]["content"]
+        else:
+            text = "".join(c["text"] for c in chunks)
+            expected = whole["choices"][index]["text"]
+        assert text == expected
+        if logprobs:
+            entries = [x for c in chunks if c["logprobs"] for x in c["logprobs"]["content"]]
+            assert len(entries) == 40
+    ids = [int(x.rpartition("/")[2]) for x in r.text.splitlines() if x.startswith("id: ")]
+    assert ids == list(range(len(events) + 1))  # [DONE] too
+
+
 async def test_unsafe_chat_template_is_refused_and_nothing_runs(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     repo = _repo_with_template(tmp_path / "repo", EVIL.replace("MARKER", str(marker)))

@@ -11,7 +11,8 @@ import json
 import pytest
 
 from qrtest import demo_model_dir, fake_table
-from quantroute.api.jobs import Job, Run, build_job
+from quantroute.api.jobs import Job, build_job
+from quantroute.api.run import Run
 from quantroute.api.schemas import CompletionRequest
 from quantroute.api.sse import payloads
 from quantroute.config import StreamSettings

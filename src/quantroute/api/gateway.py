@@ -35,8 +35,8 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from quantroute.api.catalog import Catalog, ModelBuild
-from quantroute.api.jobs import Run
 from quantroute.api.reload import Reloader, ReloadReport
+from quantroute.api.run import Run
 from quantroute.api.service import Service
 from quantroute.config import Settings
 from quantroute.engines.base import Engine

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring  # the C one, where built
 from typing import Any
 
-from quantroute.api.jobs import Run
+from quantroute.api.run import Run
 from quantroute.api.tools import ToolCallStream, split_calls
 from quantroute.engines.base import FinishEvent, TokenEvent
 

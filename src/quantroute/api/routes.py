@@ -27,8 +27,8 @@ from quantroute.api.auth import (
     sees_everything,
 )
 from quantroute.api.errors import render_error
-from quantroute.api.jobs import Run, Tick
 from quantroute.api.render import ResponseRenderer
+from quantroute.api.run import Run, Tick
 from quantroute.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,7 +36,7 @@ from quantroute.api.schemas import (
     parse_generation_body,
 )
 from quantroute.api.service import Service
-from quantroute.api.sse import EventStreamResponse, payloads
+from quantroute.api.sse import EventStreamResponse, payloads, write_inline
 from quantroute.engines.base import StartEvent
 from quantroute.errors import InvalidRequestError
 from quantroute.observability.dashboard import DASHBOARD_HEADERS, DASHBOARD_HTML
@@ -78,7 +78,8 @@ async def _respond(
             keep_going = settings.resumable_by_default
         else:
             keep_going = resumable.strip().lower() in ("1", "true", "yes", "on")
-        first, rest = payloads(run)
+        renderer = ResponseRenderer(run)
+        first, rest = payloads(run, renderer)
         stream = _streams(request).open(
             job.id,
             tenant.name,
@@ -89,6 +90,7 @@ async def _respond(
             first=first,
             stall_timeout_s=request.app.state.settings.resilience.reader_stall_timeout_s,
         )
+        write_inline(run, renderer, stream)
         return _sse(request, stream, None)
     renderer = ResponseRenderer(run)
     collect = asyncio.create_task(_collect(run, renderer))

@@ -23,7 +23,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from quantroute.api.jobs import Job, Run, close_all
+from quantroute.api.jobs import Job
+from quantroute.api.run import Run, close_all
 from quantroute.engines.base import EngineEvent, FinishEvent, StartEvent, TokenEvent
 from quantroute.errors import (
     ContextLengthExceededError,

@@ -19,7 +19,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from quantroute.api import views
-from quantroute.api.jobs import Job, Run, build_job, request_grammar
+from quantroute.api.jobs import Job, build_job, request_grammar
+from quantroute.api.run import Run
 from quantroute.api.runner import Runner
 from quantroute.api.schemas import (
     ChatCompletionRequest,

@@ -22,8 +22,8 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from quantroute.api.jobs import Run, Tick
 from quantroute.api.render import ResponseRenderer, encode
+from quantroute.api.run import Run, Tick
 from quantroute.engines.base import EngineEvent, FinishEvent, TokenEvent
 from quantroute.errors import QuantrouteError
 from quantroute.resilience.resume import Stream
@@ -35,11 +35,13 @@ DONE = b"[DONE]"
 RETRY_MS = 1000  # how long a client (EventSource) waits before reconnecting
 
 
-def payloads(run: Run) -> tuple[list[bytes], AsyncIterator[bytes]]:
+def payloads(
+    run: Run, renderer: ResponseRenderer | None = None
+) -> tuple[list[bytes], AsyncIterator[bytes]]:
     """The data of each event of a streamed run: those ready now (the opening chunks and
     the first token, which the service read before committing), and the rest as they
     come: its chunks, then ``[DONE]`` or an error."""
-    renderer = ResponseRenderer(run)
+    renderer = renderer or ResponseRenderer(run)
     try:
         first = [encode(chunk) for chunk in renderer.first_chunks()]
         first.extend(_chunks(renderer, run.take_pending()))
@@ -60,6 +62,22 @@ async def _rest(run: Run, renderer: ResponseRenderer) -> AsyncIterator[bytes]:
         yield DONE
     except Exception as exc:
         yield _error(run, exc)
+
+
+def write_inline(run: Run, renderer: ResponseRenderer, stream: Stream) -> None:
+    """Let ``run`` hand its plain tokens to ``stream`` as they come, rendered in the
+    engine's task (``Run.inline``) while the stream has room for them: the producer's
+    task wakes only for the rest (an end, an error, a token with logprobs, a full
+    window). ``renderer`` is the one :func:`payloads` was given for ``run``."""
+
+    def take(batch: list[tuple[int, EngineEvent]]) -> bool:
+        if not stream.room_for(len(batch)):  # a chunk per event at most
+            return False
+        for data in _chunks(renderer, batch):
+            stream.append(data)
+        return True
+
+    run.inline = take
 
 
 async def _failed(run: Run, exc: Exception) -> AsyncIterator[bytes]:

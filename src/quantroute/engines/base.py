@@ -20,7 +20,7 @@ vocabulary-sized array ever crosses a pipe or the gateway's memory::
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -175,6 +175,24 @@ class TokenScores:
     kld: npt.NDArray[np.float64]  # [T] KL(reference ‖ branch), nats; inf where the branch
     # gives no mass to a token the reference does
     top1: npt.NDArray[np.bool_]  # [T] both put their maximum on the same token
+
+
+@runtime_checkable
+class PushSource(Protocol):
+    """What an engine's generation stream may also be, once its first event was read: a
+    source its consumer takes every event that has come from (``take_ready``, never
+    waiting; an error raises after the events before it were taken; with
+    ``tokens_only``, only the plain tokens before anything else), told by ``notify``
+    (called in the engine's own task) when one comes. A run reads such streams in its
+    reader's task, with no task of its own per stream (``api/run.py``: ``Run``)."""
+
+    notify: Callable[[], None] | None
+
+    def take_ready(self, tokens_only: bool = False) -> list[EngineEvent]: ...
+
+    def has_ready(self) -> bool:
+        """Whether anything has come that was not taken."""
+        ...
 
 
 class EngineListener(Protocol):

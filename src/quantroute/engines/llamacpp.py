@@ -30,7 +30,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ from quantroute.engines.base import (
 )
 from quantroute.engines.exchange_timer import ExchangeTimer
 from quantroute.engines.exits import describe_exit
+from quantroute.engines.inbox import Inbox
 from quantroute.engines.supervisor import RestartPolicy, WorkerSupervisor
 from quantroute.errors import (
     ContextLengthExceededError,
@@ -162,7 +163,7 @@ class LlamaCppEngine:
         self._info: EngineInfo | None = None
         self._ready = False
         self._accepting = False  # the worker takes commands (the warm-up's, then everyone's)
-        self._streams: dict[str, asyncio.Queue[_Item]] = {}
+        self._streams: dict[str, Inbox[_Item]] = {}
         self._paused: set[str] = set()  # requests the worker holds for their slow readers
         self._held: set[str] = set()  # requests it held at some point (FinishEvent.held)
         self._reader: asyncio.Task[None] | None = None
@@ -324,7 +325,7 @@ class LlamaCppEngine:
             self._listener.engine_failed(self, cause)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for stream in self._streams.values():
+        for stream in list(self._streams.values()):  # a consumer told of it may leave
             stream.put_nowait(exc)
 
     async def _read(self, proc: asyncio.subprocess.Process) -> None:
@@ -456,7 +457,7 @@ class LlamaCppEngine:
         rid = command["id"]
         proc = self._writable()
         self._check_stuck(proc)
-        stream: asyncio.Queue[_Item] = asyncio.Queue()
+        stream: Inbox[_Item] = Inbox()
         self._streams[rid] = stream
         self._paused.discard(rid)
         done = False
@@ -468,12 +469,12 @@ class LlamaCppEngine:
         try:
             await self._send(command, timer.wait_s())
             while True:
-                if stream.empty():
+                if not stream.items:
                     timer.waiting()
                     item = await stream.get()
                     timer.got()
                 else:
-                    item = stream.get_nowait()  # the common case under load
+                    item = stream.items.popleft()  # the common case under load
                 if timer.expired is not None:
                     stuck_after_s = idle_timeout_s or timeout_s or 0.0
                     raise self._timed_out(proc, timer.expired, stuck_after_s)
@@ -592,7 +593,7 @@ class LlamaCppEngine:
 
     # -- generation -----------------------------------------------------------
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
+    def generate(self, request: GenerationRequest) -> Generation:
         s = request.sampling
         command = {
             "op": "gen",
@@ -624,34 +625,205 @@ class LlamaCppEngine:
             command["prompt_ids"] = list(request.prompt_ids)
         if request.trace_context:
             command["tc"] = dict(request.trace_context)
-        events = self._exchange(
-            command, last="fin", idle_timeout_s=self._options.gen_idle_timeout_s
-        )
-        async with contextlib.aclosing(events):
-            async for item in events:
+        return Generation(self, command, counted=request.request_id != _WARMUP)
+
+
+class Generation:
+    """One ``gen`` command's events, read one at a time (``async for``, ``anext``: the
+    command is sent at the first read) or, once it is open, as a push source: every event
+    that has come (:meth:`take_ready`), and ``notify`` called from the engine's reader
+    task when one comes while nothing waits for it. A stream read this way needs no task
+    of its own between the worker's pipe and its consumer (``api/run.py``: ``Run``).
+
+    Either way: an ``err`` event, a dead worker or ``gen_idle_timeout_s`` without an event
+    while the reader waits raises ``EngineError``; a reader that leaves before the end
+    (:meth:`aclose`) cancels the command; one that lets ``STREAM_HIGH_WATER`` events pile
+    up pauses the sequence in the worker until it has taken them."""
+
+    def __init__(self, engine: LlamaCppEngine, command: dict[str, Any], *, counted: bool):
+        self._engine = engine
+        self._command = command
+        self._rid: str = command["id"]
+        self._counted = counted  # a start counted in the prompt cache's figures (not a warm-up)
+        self._inbox: Inbox[_Item] | None = None
+        self._timer: ExchangeTimer | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._done = False  # its last event came (or its error): the worker owes nothing
+        self._closed = False
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> EngineEvent:
+        inbox = self._inbox if self._inbox is not None else await self._open()
+        timer = self._timer
+        assert timer is not None
+        while not self._closed:
+            if inbox.items:
+                item = inbox.items.popleft()  # the common case under load
+            else:
+                timer.waiting()
+                try:
+                    item = await inbox.get()
+                except BaseException:  # cancelled: over, as a generator it would be
+                    self._finish()
+                    raise
+                timer.got()
+            event = self._event(item)
+            if inbox.qsize() <= STREAM_LOW_WATER:
+                self._resume()
+            if event is not None:
+                return event
+        raise StopAsyncIteration
+
+    def has_ready(self) -> bool:
+        return bool(self._inbox is not None and self._inbox.items and not self._closed)
+
+    def take_ready(self, tokens_only: bool = False) -> list[EngineEvent]:
+        """Every event that has come and was not read yet, without waiting (its end
+        included), or with ``tokens_only`` the plain tokens before anything else. An error
+        raises, after the events before it were taken."""
+        inbox, timer = self._inbox, self._timer
+        if inbox is None or timer is None or self._closed:
+            return []
+        items = inbox.items
+        events: list[EngineEvent] = []
+        while items and not self._closed:
+            item = items[0]
+            if timer.expired is None:
                 if type(item) is TokenEvent:  # the common case: a plain token
-                    yield item
+                    items.popleft()
+                    events.append(item)
                     continue
-                assert isinstance(item, dict)
-                kind = item["ev"]
-                if kind == "tok":  # a token with logprobs
-                    top = tuple((t, text, lp) for t, text, lp in item.get("top", ()))
-                    yield TokenEvent(item["t"], item["tok"], item.get("lp"), item.get("p"), top)
-                elif kind == "start":
-                    start = StartEvent(item["pt"], item.get("c", 0))
-                    if request.request_id != _WARMUP:
-                        self._cache_stats.add(start)
-                    yield start
-                elif kind == "fin":
-                    self._supervisor.note_healthy()  # a finished generation: a healthy run
-                    yield FinishEvent(
-                        FinishReason(item["reason"]),
-                        item["pt"],
-                        item["ct"],
-                        item["t"],
-                        tuple(item.get("tm", ())),
-                        command["id"] in self._held,
-                    )
+                if tokens_only:
+                    break
+                failing = isinstance(item, BaseException) or (
+                    isinstance(item, dict) and item.get("ev") == "err"
+                )
+            else:
+                failing = True
+            if failing and (events or tokens_only):
+                break  # raised at the next call, after these are handed out
+            event = self._event(items.popleft())
+            if event is not None:
+                events.append(event)
+        if events:
+            timer.got()
+        if not items:
+            timer.waiting()  # what comes next, it waits for (its idle clock runs)
+            self._resume()
+        return events
+
+    @property
+    def notify(self) -> Callable[[], None] | None:
+        return None if self._inbox is None else self._inbox.notify
+
+    @notify.setter
+    def notify(self, callback: Callable[[], None] | None) -> None:
+        if self._inbox is not None:  # a push source once it is open (its first read)
+            self._inbox.notify = None if self._closed else callback
+
+    async def aclose(self) -> None:
+        self._finish()
+
+    def __del__(self) -> None:
+        # Dropped unread and unclosed (a caller that broke out of its loop): cancelled in
+        # the worker, as an async generator's finalizer would do.
+        if not self._closed:
+            with contextlib.suppress(Exception):
+                self._finish()
+
+    async def _open(self) -> Inbox[_Item]:
+        engine = self._engine
+        proc = self._proc = engine._writable()
+        engine._check_stuck(proc)
+        inbox: Inbox[_Item] = Inbox()
+        engine._streams[self._rid] = inbox
+        engine._paused.discard(self._rid)
+        loop = asyncio.get_running_loop()
+        idle_s = engine._options.gen_idle_timeout_s
+        timer = ExchangeTimer(loop, idle_s, None, lambda: inbox.put_nowait(TimeoutError()))
+        self._inbox, self._timer = inbox, timer
+        engine._owed[self._rid] = time.monotonic()
+        try:
+            await engine._send(self._command, timer.wait_s())
+        except BaseException:
+            self._finish()
+            raise
+        return inbox
+
+    def _event(self, item: _Item) -> EngineEvent | None:
+        """The event of one item (``None`` for one no reader sees); raises for an error.
+        The generation is over after its end or an error."""
+        engine = self._engine
+        timer = self._timer
+        assert timer is not None and self._proc is not None
+        if timer.expired is not None:  # the worker may still answer: it is cancelled
+            self._finish()
+            raise engine._timed_out(self._proc, timer.expired, timer.expired)
+        if isinstance(item, TokenEvent):
+            return item
+        if isinstance(item, BaseException) or item["ev"] == "err":  # nothing more will come
+            self._done = True
+            self._finish()
+            if isinstance(item, BaseException):
+                raise item
+            raise _worker_error(engine.name, item)
+        try:
+            kind = item["ev"]
+            if kind == "tok":  # a token with logprobs
+                top = tuple((t, text, lp) for t, text, lp in item.get("top", ()))
+                return TokenEvent(item["t"], item["tok"], item.get("lp"), item.get("p"), top)
+            if kind == "start":
+                start = StartEvent(item["pt"], item.get("c", 0))
+                if self._counted:
+                    engine._cache_stats.add(start)
+                return start
+            if kind == "fin":
+                engine._supervisor.note_healthy()  # a finished generation: a healthy run
+                finish = FinishEvent(
+                    FinishReason(item["reason"]),
+                    item["pt"],
+                    item["ct"],
+                    item["t"],
+                    tuple(item.get("tm", ())),
+                    self._rid in engine._held,
+                )
+                self._done = True
+                self._finish()
+                return finish
+        except BaseException:
+            self._finish()
+            raise
+        return None
+
+    def _resume(self) -> None:
+        engine = self._engine
+        if self._rid in engine._paused and not self._closed:
+            engine._paused.discard(self._rid)
+            engine._post({"op": "resume", "id": self._rid})
+
+    def _finish(self) -> None:
+        """Over, however it ended: forget it; cancel it in the worker unless it ended there."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._inbox is None:
+            return  # never sent
+        self._inbox.notify = None
+        engine, rid = self._engine, self._rid
+        if self._timer is not None:
+            self._timer.cancel()
+        if engine._streams.get(rid) is self._inbox:
+            del engine._streams[rid]
+        engine._paused.discard(rid)
+        engine._held.discard(rid)
+        if self._done:
+            engine._owed.pop(rid, None)
+        else:
+            engine._post({"op": "cancel", "id": rid})
+            if self._proc is not None:
+                engine._check_stuck(self._proc)
 
 
 _OWED_MAX = 4096  # unanswered commands remembered per worker

@@ -149,6 +149,10 @@ class Stream:
                 f"the client read nothing for {self._stall_timeout_s:g} s; the stream was cut"
             ) from None
 
+    def room_for(self, n: int) -> bool:
+        """Whether ``n`` more events may be appended now without waiting for :meth:`room`."""
+        return not self.done and self.next_seq + n - self._floor() <= self._ahead
+
     def _floor(self) -> int:
         cursors = self._cursors
         if len(cursors) == 1:  # the common case: the response that started it
