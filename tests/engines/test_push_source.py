@@ -191,24 +191,21 @@ def _text(data: list[bytes]) -> str:
 
 
 async def test_a_streams_tokens_are_rendered_in_the_engines_task(engine: LlamaCppEngine) -> None:
-    reference = await _reference(engine, 64)
     run, data, appended_in = await _streamed(engine, 64, StreamSettings())
     assert data[-1] == b"[DONE]" and run._pumps == []  # no pump task
     assert run.usage_tokens > 64
     # the worker's reader task appended the tokens; the producer's woke for the end
-    reader = f"read:{engine.name}"
-    assert appended_in.count(reader) >= 32
+    assert appended_in.count(f"read:{engine.name}") >= 32
     assert appended_in[-1] == "stream:k"
-    text = "".join(e.text for e in await _events(engine, 64))
-    assert _text(data) == text and len(reference) == 64
+    assert _text(data) == await _greedy_text(engine, 64)
 
 
-async def _events(engine: LlamaCppEngine, max_tokens: int) -> list[TokenEvent]:
+async def _greedy_text(engine: LlamaCppEngine, max_tokens: int) -> str:
+    """The text of ``_request``, read one event at a time (its end's held-back text too)."""
     events = [e async for e in engine.generate(_request(max_tokens))]
-    text = [e for e in events if isinstance(e, TokenEvent)]
     end = events[-1]
     assert isinstance(end, FinishEvent)
-    return [*text, TokenEvent(end.text, -1)] if end.text else text
+    return "".join(e.text for e in events if isinstance(e, TokenEvent)) + end.text
 
 
 async def test_a_slow_reader_gets_every_token_in_order_through_the_producer(
@@ -218,8 +215,7 @@ async def test_a_slow_reader_gets_every_token_in_order_through_the_producer(
     producer's task, which waits for room, and come out in order all the same."""
     settings = StreamSettings(max_events_per_stream=16)  # 14 ahead of the reader at most
     _, data, appended_in = await _streamed(engine, 96, settings, lag_s=0.02)
-    text = "".join(e.text for e in await _events(engine, 96))
-    assert _text(data) == text and data[-1] == b"[DONE]"
+    assert _text(data) == await _greedy_text(engine, 96) and data[-1] == b"[DONE]"
     assert appended_in.count("stream:k") > 1  # the producer took over where it was full
 
 
