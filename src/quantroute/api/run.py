@@ -138,25 +138,11 @@ class Run:
         ]
         remaining = len(self._pumps)
         ready = self._ready
-        loop = asyncio.get_running_loop()
         try:
             while remaining:
-                if not ready:
-                    reader = self._reader = loop.create_future()
-                    timer = (
-                        None
-                        if keepalive_s is None
-                        else loop.call_later(keepalive_s, _time_out, reader)
-                    )
-                    try:
-                        await reader
-                    except TimeoutError:
-                        yield Tick()
-                        continue
-                    finally:
-                        self._reader = None
-                        if timer is not None:
-                            timer.cancel()
+                if not ready and not await self._woken(keepalive_s):
+                    yield Tick()
+                    continue
                 batch: list[tuple[int, EngineEvent]] = []
                 while ready:
                     item = ready.popleft()
@@ -184,11 +170,7 @@ class Run:
         one; a reader that lags leaves the events in the engine's inbox, where they pause
         the sequence in the worker past its high-water mark."""
         streams = self._push = [s for s in self._streams if isinstance(s, PushSource)]
-        loop = asyncio.get_running_loop()
-        batch = [(i, event) for i, events in enumerate(self._pending) for event in events]
-        self._pending = [[] for _ in streams]
-        for index, event in batch:
-            self._note(index, event)
+        batch = self.take_pending()
         for stream in streams:
             stream.notify = self._wake
         try:
@@ -220,22 +202,28 @@ class Run:
                     continue
                 if all(sent < 0 for sent in self._sent):
                     return
-                reader = self._reader = loop.create_future()
-                timer = (
-                    None if keepalive_s is None else loop.call_later(keepalive_s, _time_out, reader)
-                )
-                try:
-                    await reader
-                except TimeoutError:
+                if not await self._woken(keepalive_s):
                     yield Tick()
-                finally:
-                    self._reader = None
-                    if timer is not None:
-                        timer.cancel()
         finally:
             for stream in streams:
                 stream.notify = None
             await self.close()
+
+    async def _woken(self, keepalive_s: float | None) -> bool:
+        """Wait until an event wakes the reader (``_put``, ``_wake``); ``False`` when
+        ``keepalive_s`` passed first."""
+        loop = asyncio.get_running_loop()
+        reader = self._reader = loop.create_future()
+        timer = None if keepalive_s is None else loop.call_later(keepalive_s, _time_out, reader)
+        try:
+            await reader
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._reader = None
+            if timer is not None:
+                timer.cancel()
 
     def _wake(self) -> None:
         """A push source has an event (called in the engine's task). A reader waiting for

@@ -325,7 +325,7 @@ class LlamaCppEngine:
             self._listener.engine_failed(self, cause)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for stream in list(self._streams.values()):  # a consumer told of it may leave
+        for stream in list(self._streams.values()):  # a copy: each put runs its consumer
             stream.put_nowait(exc)
 
     async def _read(self, proc: asyncio.subprocess.Process) -> None:
@@ -455,17 +455,8 @@ class LlamaCppEngine:
         An ``err`` event, a dead worker, ``idle_timeout_s`` without an event or
         ``timeout_s`` in all raises; leaving early cancels the command."""
         rid = command["id"]
-        proc = self._writable()
-        self._check_stuck(proc)
-        stream: Inbox[_Item] = Inbox()
-        self._streams[rid] = stream
-        self._paused.discard(rid)
+        proc, stream, timer = self._enter(rid, idle_timeout_s, timeout_s)
         done = False
-        loop = asyncio.get_running_loop()
-        timer = ExchangeTimer(
-            loop, idle_timeout_s, timeout_s, lambda: stream.put_nowait(TimeoutError())
-        )
-        self._owed[rid] = time.monotonic()
         try:
             await self._send(command, timer.wait_s())
             while True:
@@ -496,15 +487,46 @@ class LlamaCppEngine:
                 if done:
                     return
         finally:
-            timer.cancel()
-            self._streams.pop(rid, None)
-            self._paused.discard(rid)
-            self._held.discard(rid)
-            if done:
-                self._owed.pop(rid, None)
-            else:
-                self._post({"op": "cancel", "id": rid})
-                self._check_stuck(proc)
+            self._leave(rid, stream, timer, proc, done=done)
+
+    def _enter(
+        self, rid: str, idle_s: float | None, total_s: float | None
+    ) -> tuple[asyncio.subprocess.Process, Inbox[_Item], ExchangeTimer]:
+        """Open command ``rid``'s exchange (before its command is sent): the worker it goes
+        to, its inbox (registered for the reader task) and its timer."""
+        proc = self._writable()
+        self._check_stuck(proc)
+        inbox: Inbox[_Item] = Inbox()
+        self._streams[rid] = inbox
+        self._paused.discard(rid)
+        timer = ExchangeTimer(
+            asyncio.get_running_loop(), idle_s, total_s, lambda: inbox.put_nowait(TimeoutError())
+        )
+        self._owed[rid] = time.monotonic()
+        return proc, inbox, timer
+
+    def _leave(
+        self,
+        rid: str,
+        inbox: Inbox[_Item],
+        timer: ExchangeTimer,
+        proc: asyncio.subprocess.Process,
+        *,
+        done: bool,
+    ) -> None:
+        """Close command ``rid``'s exchange, however it ended: forget it, and cancel it in
+        the worker unless it ended there (``done``)."""
+        inbox.notify = None
+        timer.cancel()
+        if self._streams.get(rid) is inbox:
+            del self._streams[rid]
+        self._paused.discard(rid)
+        self._held.discard(rid)
+        if done:
+            self._owed.pop(rid, None)
+        else:
+            self._post({"op": "cancel", "id": rid})
+            self._check_stuck(proc)
 
     def _check_stuck(self, proc: asyncio.subprocess.Process) -> None:
         """Abandon a worker that has sent nothing for ``gen_idle_timeout_s`` while owing
@@ -735,16 +757,9 @@ class Generation:
 
     async def _open(self) -> Inbox[_Item]:
         engine = self._engine
-        proc = self._proc = engine._writable()
-        engine._check_stuck(proc)
-        inbox: Inbox[_Item] = Inbox()
-        engine._streams[self._rid] = inbox
-        engine._paused.discard(self._rid)
-        loop = asyncio.get_running_loop()
         idle_s = engine._options.gen_idle_timeout_s
-        timer = ExchangeTimer(loop, idle_s, None, lambda: inbox.put_nowait(TimeoutError()))
+        self._proc, inbox, timer = engine._enter(self._rid, idle_s, None)
         self._inbox, self._timer = inbox, timer
-        engine._owed[self._rid] = time.monotonic()
         try:
             await engine._send(self._command, timer.wait_s())
         except BaseException:
@@ -808,22 +823,9 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        if self._inbox is None:
+        if self._inbox is None or self._timer is None or self._proc is None:
             return  # never sent
-        self._inbox.notify = None
-        engine, rid = self._engine, self._rid
-        if self._timer is not None:
-            self._timer.cancel()
-        if engine._streams.get(rid) is self._inbox:
-            del engine._streams[rid]
-        engine._paused.discard(rid)
-        engine._held.discard(rid)
-        if self._done:
-            engine._owed.pop(rid, None)
-        else:
-            engine._post({"op": "cancel", "id": rid})
-            if self._proc is not None:
-                engine._check_stuck(self._proc)
+        self._engine._leave(self._rid, self._inbox, self._timer, self._proc, done=self._done)
 
 
 _OWED_MAX = 4096  # unanswered commands remembered per worker
