@@ -188,3 +188,28 @@ def ec_keys(root: Path, name: str) -> tuple[Path, Path]:
         )
     )
     return private, public
+
+
+class StreamSource:
+    """A stream store producer fed by a test: ``put`` events, ``finish`` to end; records
+    its close and how many events it produced."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.closed = asyncio.Event()
+        self.produced = 0
+
+    async def events(self) -> AsyncIterator[bytes]:
+        while (item := await self.queue.get()) is not None:
+            self.produced += 1
+            yield item
+
+    async def close(self) -> None:
+        self.closed.set()
+
+    def put(self, *items: bytes) -> None:
+        for item in items:
+            self.queue.put_nowait(item)
+
+    def finish(self) -> None:
+        self.queue.put_nowait(None)

@@ -6,38 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
+from qrtest import StreamSource as Source
 from quantroute.config import StreamSettings
 from quantroute.errors import NotFoundError
 from quantroute.resilience.resume import CANCELLED, Stream, StreamStore
-
-
-class Source:
-    """A producer fed by the test: ``put`` an event, ``finish`` to end; records its close."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self.closed = asyncio.Event()
-        self.produced = 0
-
-    async def events(self) -> AsyncIterator[bytes]:
-        while (item := await self.queue.get()) is not None:
-            self.produced += 1
-            yield item
-
-    async def close(self) -> None:
-        self.closed.set()
-
-    def put(self, *items: bytes) -> None:
-        for item in items:
-            self.queue.put_nowait(item)
-
-    def finish(self) -> None:
-        self.queue.put_nowait(None)
 
 
 def _store(**settings: Any) -> StreamStore:

@@ -20,6 +20,7 @@ from fastapi.telemetry import TelemetryConfig
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quantroute.api.body_limit import BodyLimitMiddleware
+from quantroute.api.direct import EXTENSION, DirectBody
 from quantroute.api.errors import install_error_handlers
 from quantroute.api.gateway import Gateway
 from quantroute.api.routes import GenerationRoutes, router
@@ -78,7 +79,9 @@ class HeadWithBody:
     head alone (which costs a stream's first token a context switch on a busy machine).
 
     It needs the server's own ``send`` (uvicorn's, whose object has the transport) and
-    Linux; anywhere else it passes every message through as it is."""
+    Linux; anywhere else it passes every message through as it is. Under uvicorn's
+    httptools protocol it also offers the response a :class:`~quantroute.api.direct.DirectBody`
+    (``scope["extensions"]``), open once the head and the first body are out."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -89,6 +92,10 @@ class HeadWithBody:
             await self.app(scope, receive, send)
             return
         corked = False
+        direct = DirectBody.of(send)
+        if direct is not None:
+            extensions = {**(scope.get("extensions") or {}), EXTENSION: direct}
+            scope = {**scope, "extensions": extensions}
 
         async def coalescing(message: Message) -> None:
             nonlocal corked
@@ -101,10 +108,14 @@ class HeadWithBody:
             finally:
                 if corked:
                     corked = not _cork(sock, False)
+            if direct is not None and not corked:  # the head is out, and a body with it
+                direct.open()
 
         try:
             await self.app(scope, receive, coalescing)
         finally:
+            if direct is not None:
+                direct.close()  # the connection's next response is another's
             if corked:
                 _cork(sock, False)
 

@@ -22,6 +22,7 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from quantroute.api.direct import EXTENSION, DirectBody
 from quantroute.api.render import ResponseRenderer, encode
 from quantroute.api.run import Run, Tick
 from quantroute.engines.base import EngineEvent, FinishEvent, TokenEvent
@@ -128,15 +129,25 @@ async def sse_stream(
     after: int | None,
     keepalive_s: float,
     until: asyncio.Future[Any] | None = None,
+    direct: DirectBody | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The wire bytes of ``stream`` from the event after ``after`` (``None``: all) on: one
     write per batch the stream hands out, each event framed as :func:`frame` does. Ends
-    when ``until`` is done (the client left)."""
+    when ``until`` is done (the client left). With ``direct``, the events that come while
+    the client keeps up are written through it as they are appended, framed the same,
+    and never pass here (``api/direct.py``)."""
     first = True
     key = stream.key.encode().replace(b"%", b"%%")
     pattern = b"id: " + key + b"/%d\ndata: %b\n\n"  # a frame, but for its seq and data
+    write = None
+    if direct is not None:
+        body = direct
+
+        def write(seq: int, data: bytes) -> bool:
+            return body.write(pattern % (seq, data))
+
     try:
-        async for batch in stream.follow_batches(after, keepalive_s, until=until):
+        async for batch in stream.follow_batches(after, keepalive_s, until=until, direct=write):
             if batch is None:
                 yield KEEPALIVE
                 continue
@@ -178,7 +189,8 @@ class EventStreamResponse(Response):
         gone = asyncio.get_running_loop().create_task(_disconnect(receive))
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            body = sse_stream(self.stream, self.after, self.keepalive_s, gone)
+            direct = (scope.get("extensions") or {}).get(EXTENSION)
+            body = sse_stream(self.stream, self.after, self.keepalive_s, gone, direct)
             async with contextlib.aclosing(body) as chunks:
                 async for chunk in chunks:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})

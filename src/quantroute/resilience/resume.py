@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 # that opened it) before it counts as left: a response that never starts frees its slot.
 ATTACH_S = 5.0
 
+DirectWrite = Callable[[int, bytes], bool]
+"""Writes event ``(seq, data)`` to a watcher's client now, or says it may not (``False``)."""
+
 
 class ReaderStalledError(QuantrouteError):
     """The client stopped reading its stream for longer than the limit."""
@@ -110,6 +113,9 @@ class Stream:
         self._stopping = False  # cancelled before that: it stops as soon as it runs
         self._reaper: asyncio.TimerHandle | None = None
         self._expiry: asyncio.TimerHandle | None = None
+        # The parked watcher whose events may be written where they are appended: its
+        # writer, its cursor and the future it waits on (see ``follow_batches``).
+        self._direct: tuple[DirectWrite, list[int], asyncio.Future[None]] | None = None
 
     @property
     def first_seq(self) -> int:
@@ -163,13 +169,25 @@ class Stream:
         if self.done:
             return
         self._events.append(data)
-        self.next_seq += 1
+        seq = self.next_seq
+        self.next_seq = seq + 1
+        direct = self._direct
+        if direct is not None:
+            write, cursor, parked = direct
+            # written here only when every event before it was: the order on the wire
+            if cursor[0] == seq and write(seq, data):
+                cursor[0] = seq + 1  # read: parked with it, this watcher is nobody's floor
+                if len(self._waiters) > 1:
+                    self._wake(but=parked)  # the other watchers see it as before
+                return
         self._wake()
 
-    def _wake(self) -> None:
+    def _wake(self, but: asyncio.Future[None] | None = None) -> None:
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
-            if not waiter.done():
+            if waiter is but:
+                self._waiters.append(waiter)
+            elif not waiter.done():
                 waiter.set_result(None)
 
     def end(self, now: float) -> None:
@@ -193,11 +211,18 @@ class Stream:
         *,
         max_batch: int = 1 << 30,
         until: asyncio.Future[Any] | None = None,
+        direct: DirectWrite | None = None,
     ) -> AsyncGenerator[list[tuple[int, bytes]] | None, None]:
         """Like :meth:`follow`, but the events kept and not yet seen (up to ``max_batch``) at
         once: one when the reader keeps up, more when it lags or resumes (so they are
         written together). Ends early, as a watcher that left, once ``until`` is done (its
-        client disconnected)."""
+        client disconnected).
+
+        With ``direct``, an event appended while this watcher is parked, having taken
+        every event before it, is written by ``direct(seq, data)`` in the appending task
+        and not handed out here (the stream's one such watcher at a time): no task wake
+        per event while the reader keeps up. A write it refuses (``False``) leaves the
+        event to be handed out as usual, and the events after it with it."""
         seq = 0 if after is None else after + 1
         cursor = [seq]
         self._attach(cursor)
@@ -232,15 +257,23 @@ class Stream:
                 timer = None
                 if keepalive_s is not None:
                     timer = loop.call_later(keepalive_s, _time_out, waiter)
+                if direct is not None and self._direct is None:
+                    self._direct = (direct, cursor, waiter)
+                idle = False
                 try:
                     await waiter
                 except TimeoutError:
-                    yield None
+                    idle = cursor[0] == seq  # nothing was written for it meanwhile either
                 finally:
+                    if self._direct is not None and self._direct[2] is waiter:
+                        self._direct = None  # awake: what comes now is handed out in order
                     if timer is not None:
                         timer.cancel()
                     if waiter in self._waiters:  # timed out or cancelled: not woken
                         self._waiters.remove(waiter)
+                seq = cursor[0]  # past the events written where they were appended
+                if idle:
+                    yield None
         finally:
             if until is not None:
                 until.remove_done_callback(self._woken)

@@ -1,0 +1,184 @@
+"""A watcher's events written where they are appended (``Stream.follow_batches(direct=)``):
+only while it is parked and has taken every event before, in order, each event once, the
+other watchers and the producer's window as before, keep-alives only when nothing went."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+
+from qrtest import StreamSource as Source
+from quantroute.config import StreamSettings
+from quantroute.resilience.resume import Stream, StreamStore
+
+
+class Writer:
+    """A direct writer that records what it wrote and in which task; ``refuse`` says no to
+    that many calls first."""
+
+    def __init__(self, refuse: int = 0) -> None:
+        self.refuse = refuse
+        self.calls: list[tuple[int, bytes]] = []
+        self.written: list[tuple[int, bytes]] = []
+        self.tasks: set[str] = set()
+
+    def __call__(self, seq: int, data: bytes) -> bool:
+        self.calls.append((seq, data))
+        if self.refuse > 0:
+            self.refuse -= 1
+            return False
+        self.written.append((seq, data))
+        task = asyncio.current_task()
+        self.tasks.add(task.get_name() if task is not None else "")
+        return True
+
+
+def _open(store: StreamStore, first: list[bytes] | None = None) -> tuple[Stream, Source]:
+    source = Source()
+    stream = store.open(
+        "k", "acme", source.events(), close=source.close, grace_s=5, first=first or []
+    )
+    return stream, source
+
+
+async def _settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+Batches = AsyncGenerator[list[tuple[int, bytes]] | None, None]
+
+
+async def _rest(batches: Batches, parked: asyncio.Future[object] | None = None) -> list[int]:
+    """The seqs handed out from here to the end (``parked``: a read already waiting)."""
+    got = []
+    if parked is not None:
+        try:
+            got.append(await parked)
+        except StopAsyncIteration:
+            return []
+    got += [b async for b in batches]
+    return [seq for batch in got if isinstance(batch, list) for seq, _ in batch]
+
+
+async def test_events_come_while_the_watcher_is_parked_are_written_in_the_producers_task() -> None:
+    store = StreamStore(StreamSettings())
+    stream, source = _open(store, first=[b"a"])
+    writer = Writer()
+    batches = stream.follow_batches(None, keepalive_s=5, direct=writer)
+    assert await anext(batches) == [(0, b"a")]  # the first: handed out (the head goes with it)
+    parked = asyncio.ensure_future(anext(batches))
+    await _settle()
+    source.put(b"b", b"c")
+    await _settle()
+    assert writer.written == [(1, b"b"), (2, b"c")]
+    assert writer.tasks == {"stream:k"}  # the producer's: the watcher was never woken
+    assert not parked.done()
+    source.finish()
+    assert await _rest(batches, parked) == []  # the end wakes it: nothing written twice
+    await store.close()
+
+
+async def test_a_refused_write_leaves_that_event_and_those_after_it_to_the_watcher() -> None:
+    store = StreamStore(StreamSettings())
+    stream, source = _open(store, first=[b"a"])
+    writer = Writer(refuse=1)
+    batches = stream.follow_batches(None, keepalive_s=5, direct=writer)
+    assert await anext(batches) == [(0, b"a")]
+    parked = asyncio.ensure_future(anext(batches))
+    await _settle()
+    source.put(b"b", b"c")  # b is refused: c may not overtake it on the wire
+    await _settle()
+    assert writer.calls == [(1, b"b")] and writer.written == []
+    assert await parked == [(1, b"b"), (2, b"c")]
+    parked = asyncio.ensure_future(anext(batches))
+    await _settle()
+    source.put(b"d")  # parked again, with everything before it taken
+    await _settle()
+    assert writer.written == [(3, b"d")]
+    source.finish()
+    assert await _rest(batches, parked) == []
+    await store.close()
+
+
+async def test_the_other_watchers_get_every_event_as_before() -> None:
+    store = StreamStore(StreamSettings())
+    stream, source = _open(store, first=[b"a"])
+    writer = Writer()
+    direct = stream.follow_batches(None, keepalive_s=5, direct=writer)
+    assert await anext(direct) == [(0, b"a")]
+    seen: list[int] = []
+
+    async def follow_plainly() -> None:
+        async for batch in stream.follow_batches(None, keepalive_s=5):
+            seen.extend(seq for seq, _ in batch or ())
+
+    plain = asyncio.ensure_future(follow_plainly())
+    parked = asyncio.ensure_future(anext(direct))
+    await _settle()
+    for seq, item in enumerate((b"b", b"c", b"d"), start=1):
+        source.put(item)
+        await _settle()
+        assert seen == list(range(seq + 1))  # each as it comes, not at the end
+    source.finish()
+    await plain
+    assert [seq for seq, _ in writer.written] == [1, 2, 3]
+    assert await _rest(direct, parked) == []
+    await store.close()
+
+
+async def test_events_written_directly_make_room_in_the_producers_window() -> None:
+    store = StreamStore(StreamSettings(max_events_per_stream=16))  # 14 ahead at most
+    stream, source = _open(store)
+    writer = Writer()
+    batches = stream.follow_batches(None, keepalive_s=5, direct=writer)
+    source.put(*(b"%d" % i for i in range(100)))
+    source.finish()
+    handed = await _rest(batches)
+    # every event exactly once, in order, most of them without a hand-out
+    assert sorted(handed + [seq for seq, _ in writer.written]) == list(range(100))
+    assert [seq for seq, _ in writer.written] == sorted(seq for seq, _ in writer.written)
+    assert len(writer.written) > 50
+    await store.close()
+
+
+async def test_keepalives_come_only_when_nothing_was_written_meanwhile() -> None:
+    store = StreamStore(StreamSettings())
+    stream, source = _open(store, first=[b"a"])
+    writer = Writer()
+    batches = stream.follow_batches(None, keepalive_s=0.1, direct=writer)
+    assert await anext(batches) == [(0, b"a")]
+    got: list[object] = []
+
+    async def read() -> None:
+        async for batch in batches:
+            got.append(batch)
+
+    reading = asyncio.ensure_future(read())
+    await _settle()  # parked
+    for i in range(12):  # 0.36 s of events every 0.03 s: never idle for 0.1 s
+        source.put(b"%d" % i)
+        await asyncio.sleep(0.03)
+    assert got == [] and len(writer.written) == 12
+    await asyncio.sleep(0.25)  # idle now: keep-alives
+    assert got and all(item is None for item in got)
+    source.finish()
+    await asyncio.wait_for(reading, 1)
+    await store.close()
+
+
+async def test_nothing_is_written_for_a_watcher_that_left() -> None:
+    store = StreamStore(StreamSettings())
+    stream, source = _open(store, first=[b"a"])
+    writer = Writer()
+    batches = stream.follow_batches(None, keepalive_s=5, direct=writer)
+    assert await anext(batches) == [(0, b"a")]
+    parked = asyncio.ensure_future(anext(batches))
+    await _settle()
+    parked.cancel()  # its client went while it waited
+    await _settle()
+    await batches.aclose()
+    source.put(b"b")
+    await _settle()
+    assert writer.calls == [] and stream.next_seq == 2  # kept for a resume, not written
+    await store.close()
