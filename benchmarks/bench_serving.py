@@ -42,7 +42,9 @@ median over rounds of each round's median TTFT ratio.
 Reported per cell: aggregate tok/s (tokens / wall), median TTFT (sent to the first text
 chunk), p99 inter-token latency (gaps between text chunks, pooled), and CPU time per token of
 the system's whole process tree (psutil; quantroute's gateway and worker; the ceiling's
-worker alone), with the ratios quantroute / llama-server and the goals met or not.
+worker alone) and, for quantroute and the bare gateway, of the gateway process alone (its
+workers apart: the performance issue's "gateway CPU per streamed token" with llama.cpp), with
+the ratios quantroute / llama-server and the goals met or not.
 
 The client runs in this process on uvloop and reads the HTTP systems' streams with a lean
 HTTP/1.1 reader (``lean_http.py``, about 90 µs of CPU per chunk here, where httpx over h11
@@ -144,12 +146,13 @@ class Round:
     cpu_s: float
     streams: tuple[Stream, ...]
     retries: int = 0  # requests sent again after a stale kept-alive connection
+    gateway_cpu_s: float | None = None  # a Python gateway's own process, its workers apart
 
     def record(self) -> dict[str, Any]:
         return {
             "model": self.model, "system": self.system, "clients": self.clients,
             "round": self.index, "wall_s": self.wall_s, "cpu_s": self.cpu_s,
-            "retries": self.retries,
+            "gateway_cpu_s": self.gateway_cpu_s, "retries": self.retries,
             "streams": [
                 {"ttft_ms": None if s.ttft_s is None else s.ttft_s * 1e3, "tokens": s.tokens,
                  "chunks": s.chunks, "usage_tokens": s.usage_tokens,
@@ -178,6 +181,7 @@ class Cell:
     median_ttft_ms: float | None
     p99_itl_ms: float | None
     cpu_us_per_token: float | None
+    gateway_cpu_us_per_token: float | None  # quantroute's and the bare gateway's own process
     round_tok_s_min: float  # the spread of the rounds' aggregate rates
     round_tok_s_max: float
     retries: int
@@ -192,6 +196,8 @@ class Cell:
         ttft = [s.ttft_s for s in streams if s.ttft_s is not None]
         rates = [sum(s.tokens for s in r.streams) / r.wall_s for r in rounds if r.wall_s > 0]
         rates = rates or [0.0]
+        gateway = [r.gateway_cpu_s for r in rounds]
+        gateway_s = None if None in gateway else sum(g or 0.0 for g in gateway)
         return cls(
             model=rounds[0].model,
             system=rounds[0].system,
@@ -209,6 +215,8 @@ class Cell:
             p99_itl_ms=None if (p := _p99([g for s in streams for g in s.gaps_s])) is None
             else p * 1e3,
             cpu_us_per_token=cpu_s / tokens * 1e6 if tokens else None,
+            gateway_cpu_us_per_token=None if gateway_s is None or not tokens
+            else gateway_s / tokens * 1e6,
             round_tok_s_min=min(rates), round_tok_s_max=max(rates),
             retries=sum(r.retries for r in rounds),
         )  # fmt: skip
@@ -310,17 +318,21 @@ async def run_system(
         await settle(system)
         for n in args.clients:
             cpu, start, retries = system.cpu_s(), time.perf_counter(), system.retries
+            gateway = system.gateway_cpu_s()
             streams = await closed_loop(system, work, n, args.min_round_s)
             wall, used = time.perf_counter() - start, system.cpu_s() - cpu
+            after = system.gateway_cpu_s()
+            gateway = None if gateway is None or after is None else after - gateway
             rounds.append(
                 Round(model, system.name, n, index, wall, used, tuple(streams),
-                      system.retries - retries)
+                      system.retries - retries, gateway)
             )  # fmt: skip
             tokens = sum(s.tokens for s in streams)
             log.info(
-                "%s round %d  %-24s %2d client(s)  %7.1f tok/s  %3d streams  %.0f µs CPU/token",
+                "%s round %d  %-24s %2d client(s)  %7.1f tok/s  %3d streams  %.0f µs CPU/token%s",
                 *(model, index + 1, system.name, n, tokens / wall, len(streams)),
                 used / max(tokens, 1) * 1e6,
+                "" if gateway is None else f" (gateway {gateway / max(tokens, 1) * 1e6:.0f})",
             )
     finally:
         await system.close()
@@ -473,7 +485,7 @@ def bandwidth_lines(
 
 COLUMNS = (
     "Clients", "System", "Aggregate (tok/s)", "Rounds, min-max", "Median TTFT (ms)", "p99 ITL (ms)",
-    "CPU per token (µs)", "Streams (cut or failed)", "Same text",
+    "CPU per token (µs)", "Gateway CPU per token (µs)", "Streams (cut or failed)", "Same text",
 )  # fmt: skip
 
 
@@ -485,7 +497,7 @@ def table_rows(
             str(n), LABELS[c.system], _fmt(c.aggregate_tok_s),
             f"{c.round_tok_s_min:.0f}-{c.round_tok_s_max:.0f}", _fmt(c.median_ttft_ms, 2),
             _fmt(c.p99_itl_ms, 2), _fmt(c.cpu_us_per_token, 0),
-            f"{c.streams} ({c.cut + c.errors})",
+            _fmt(c.gateway_cpu_us_per_token, 0), f"{c.streams} ({c.cut + c.errors})",
             "yes" if not c.text_mismatches else f"{c.text_mismatches} differ",
         ]
         for n in args.clients

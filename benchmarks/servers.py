@@ -73,6 +73,15 @@ class Server:
         """CPU seconds (user + system) of the server's process tree so far."""
         return tree_cpu_s(self.proc.pid) if self.proc is not None else 0.0
 
+    def own_cpu_s(self) -> float:
+        """CPU seconds of the server's own process, without its children (its workers)."""
+        if self.proc is None:
+            return 0.0
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = psutil.Process(self.proc.pid).cpu_times()
+            return float(times.user + times.system)
+        return 0.0
+
     def tail(self, lines: int = 20) -> str:
         with contextlib.suppress(OSError):
             text = self.log_path.read_text(errors="replace").splitlines()[-lines:]

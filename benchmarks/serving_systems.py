@@ -46,6 +46,7 @@ LABELS = {
     BARE: "bare gateway: uvicorn and quantroute's worker, nothing else",
 }
 ALL_SYSTEMS = (QUANTROUTE, LLAMA_SERVER, LCP_QUEUE, LCP, CEILING, BARE)
+GATEWAYS = (QUANTROUTE, BARE)  # a Python process in front of llama.cpp worker processes
 BAN = -100.0  # the logit bias that keeps a token from ever being chosen
 
 
@@ -126,6 +127,7 @@ class System(Protocol):
     def start(self, timeout_s: float) -> None: ...
     def stop(self) -> None: ...
     def cpu_s(self) -> float: ...
+    def gateway_cpu_s(self) -> float | None: ...
     async def open(self) -> None: ...
     async def close(self) -> None: ...
     async def stream(self, work: Workload) -> Stream: ...
@@ -158,6 +160,11 @@ class HttpSystem:
 
     def cpu_s(self) -> float:
         return self.server.cpu_s()
+
+    def gateway_cpu_s(self) -> float | None:
+        """A Python gateway's own process (quantroute's, the bare one's) apart from its
+        llama.cpp worker; ``None`` for a server that is one process with its engine."""
+        return self.server.own_cpu_s() if self.name in GATEWAYS else None
 
     async def open(self) -> None:
         self.idle = []
@@ -318,6 +325,9 @@ class WorkerCeiling:
 
     def cpu_s(self) -> float:
         return tree_cpu_s(self.proc.pid) if self.proc is not None else 0.0
+
+    def gateway_cpu_s(self) -> float | None:
+        return None  # no gateway: the benchmark drives the worker
 
     async def open(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

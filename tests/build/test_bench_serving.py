@@ -69,6 +69,17 @@ def test_a_differing_text_or_a_bad_count_fails_the_run() -> None:
     assert bench.Cell.of([round_of(QUANTROUTE, cut)], 8, "ab").failures()
 
 
+def test_a_gateways_own_cpu_per_token_is_over_every_round_or_none() -> None:
+    def gateway_round(cpu_s: float | None) -> bench.Round:
+        return bench.Round("m", QUANTROUTE, 1, 0, 1.0, 0.5, (stream(8, 8),), 0, cpu_s)
+
+    cell = bench.Cell.of([gateway_round(0.0004), gateway_round(0.0012)], 8, "ab")
+    assert cell.gateway_cpu_us_per_token == pytest.approx(100.0)  # 1.6 ms over 16 tokens
+    assert cell.cpu_us_per_token == pytest.approx(62_500.0)  # the tree: 1 s over 16
+    partial = bench.Cell.of([gateway_round(0.0004), gateway_round(None)], 8, "ab")
+    assert partial.gateway_cpu_us_per_token is None  # a round without it: not a figure
+
+
 def test_ratios_and_goals() -> None:
     cells = {
         ("stdlib-bpe-llama", system, 1): bench.Cell.of(
@@ -114,14 +125,18 @@ def test_the_bare_gateway_streams_the_ceilings_text(tmp_path: Path) -> None:
             want = await ceiling.stream(work)
         finally:
             await ceiling.close()
+        assert ceiling.gateway_cpu_s() is None  # no gateway in front of it
         bare = bare_gateway_system(TINY, cfg, tmp_path)
         await asyncio.to_thread(bare.start, 60.0)
         try:
             await bare.open()
             got = await bare.stream(work)
             await bare.close()
+            gateway, tree = bare.gateway_cpu_s(), bare.cpu_s()
         finally:
             bare.stop()
+        # its own process alone: less than the tree, which has its worker too
+        assert gateway is not None and 0 < gateway < tree
         return want, got
 
     want, got = asyncio.run(run())
