@@ -12,10 +12,13 @@ for ``--seconds`` to that many closed-loop clients, with the serving benchmark's
 and client. Reported per system: the median of its rounds' aggregate tok/s, the median over
 rounds of its rate / the reference's in the same round (the last system: llama-server,
 else the bare gateway, else the last tree), and CPU per token of the gateway process
-alone and of its workers (psutil: the server's own process, then its children).
+alone, of its workers (psutil: the server's own process, then its children) and of the
+clients reading its streams (this process: the same client for every system); with
+``--chart``, a plot of both.
 
     git worktree add /tmp/before HEAD~1
-    python benchmarks/ab_serving.py --tree before=/tmp/before/src --tree after=src --bare
+    python benchmarks/ab_serving.py --tree before=/tmp/before/src --tree after=src --bare \
+        --llama-server --chart /tmp/ab.png
 
 The trees run the interpreter and packages of this venv; the worker processes they start
 run their tree's code too (the environment carries ``PYTHONPATH``).
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import statistics
@@ -54,6 +58,7 @@ log = logging.getLogger("ab_serving")
 
 @dataclass(frozen=True, slots=True)
 class Burst:
+    model: str
     system: str
     clients: int
     round: int
@@ -61,6 +66,7 @@ class Burst:
     wall_s: float
     gateway_s: float  # the server's own process
     workers_s: float  # its children
+    client_s: float  # this process: the clients reading the streams
 
 
 def tree_system(name: str, src: Path, repo: Path, cfg: Settings, logs: Path) -> HttpSystem:
@@ -90,39 +96,45 @@ def split_cpu_s(system: HttpSystem) -> tuple[float, float]:
     return own, children
 
 
-async def burst(system: HttpSystem, work: Workload, clients: int, seconds: float, i: int) -> Burst:
+async def burst(
+    model: str, system: HttpSystem, work: Workload, clients: int, seconds: float, i: int
+) -> Burst:
     own, children = split_cpu_s(system)
-    start = time.perf_counter()
+    start, client = time.perf_counter(), time.process_time()
     streams = await bench.closed_loop(system, work, clients, seconds)
-    wall = time.perf_counter() - start
+    wall, client = time.perf_counter() - start, time.process_time() - client
     own_after, children_after = split_cpu_s(system)
     tokens = sum(s.tokens for s in streams)
     failed = [s for s in streams if s.error is not None or s.count_error(work.max_tokens)]
     if failed:
         raise SystemExit(f"{system.name}: {len(failed)} stream(s) failed or miscounted")
-    return Burst(system.name, clients, i, tokens, wall, own_after - own, children_after - children)
+    gateway_s, workers_s = own_after - own, children_after - children
+    return Burst(model, system.name, clients, i, tokens, wall, gateway_s, workers_s, client)
 
 
-async def run(args: argparse.Namespace) -> list[Burst]:
-    repo = bench.model_repo(args.model, None)
-    path = bench.model_file(repo, args.model, args.branch)
+async def run(args: argparse.Namespace, model: str) -> list[Burst]:
+    repo = bench.model_repo(model, None)
+    path = bench.model_file(repo, model, args.branch)
     cfg = Settings(1, 16, 512, False, 0)
     logs = bench.RESULTS_DIR / "logs" / "ab"
     work = Workload(
-        f"{args.model}:{args.branch}", bench.PROMPT, args.max_tokens, bench.eos_id(path), False
+        f"{model}:{args.branch}", bench.PROMPT, args.max_tokens, bench.eos_id(path), False
     )
-    systems = [tree_system(name, src, repo, cfg, logs) for name, src in args.tree]
+    # Each made just before it starts: its free port is taken at once, not after the
+    # connections to the ones before have used ephemeral ports for a while.
+    makers = [functools.partial(tree_system, name, src, repo, cfg, logs) for name, src in args.tree]
     if args.bare:
-        systems.append(bare_gateway_system(path, cfg, logs))
+        makers.append(functools.partial(bare_gateway_system, path, cfg, logs))
     if args.llama_server:
         binary = args.llama_server_binary or bench.llama_server_binary()[0]
-        systems.append(llama_server_system(binary, path, cfg, logs))
-    started: list[HttpSystem] = []
+        makers.append(functools.partial(llama_server_system, binary, path, cfg, logs))
+    systems: list[HttpSystem] = []
     bursts: list[Burst] = []
     try:
-        for system in systems:
+        for make in makers:
+            system = make()
             await asyncio.to_thread(system.start, 180.0)
-            started.append(system)
+            systems.append(system)
             await system.open()
         for system in systems:
             await bench.settle(system)
@@ -131,43 +143,104 @@ async def run(args: argparse.Namespace) -> list[Burst]:
             for i in range(args.rounds):
                 shift = i % len(systems)
                 for system in systems[shift:] + systems[:shift]:
-                    got = await burst(system, work, clients, args.seconds, i)
+                    got = await burst(model, system, work, clients, args.seconds, i)
                     bursts.append(got)
                     log.info(
-                        "%d client(s) round %d %-14s %7.0f tok/s  gateway %6.1f µs/token",
-                        clients, i + 1, got.system, got.tokens / got.wall_s,
+                        "%s %d client(s) round %d %-14s %7.0f tok/s  gateway %6.1f µs/token",
+                        model, clients, i + 1, got.system, got.tokens / got.wall_s,
                         got.gateway_s / max(got.tokens, 1) * 1e6,
                     )  # fmt: skip
     finally:
-        for system in reversed(started):
+        for system in reversed(systems):
             await system.close()
             await asyncio.to_thread(system.stop)
     return bursts
 
 
-def table(bursts: list[Burst], names: list[str], reference: str) -> list[list[str]]:
-    rows = []
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One system at one client count: its rounds together."""
+
+    tok_s: float  # the median of the rounds' aggregate rates
+    ratio: float  # the median of its rate / the reference's, round by round
+    ratio_min: float
+    ratio_max: float
+    gateway_us: float  # CPU per token: the server's own process
+    workers_us: float  # and its children
+    client_us: float  # and the clients'
+
+    @classmethod
+    def of(cls, cell: list[Burst], reference: list[Burst]) -> Cell:
+        ref = {b.round: b.tokens / b.wall_s for b in reference}
+        ratios = [b.tokens / b.wall_s / ref[b.round] for b in cell if ref.get(b.round)]
+        tokens = sum(b.tokens for b in cell) or 1
+        return cls(
+            statistics.median(b.tokens / b.wall_s for b in cell),
+            statistics.median(ratios), min(ratios), max(ratios),
+            sum(b.gateway_s for b in cell) / tokens * 1e6,
+            sum(b.workers_s for b in cell) / tokens * 1e6,
+            sum(b.client_s for b in cell) / tokens * 1e6,
+        )  # fmt: skip
+
+
+def cells(bursts: list[Burst], names: list[str], reference: str) -> dict[tuple[int, str], Cell]:
+    """Per (clients, system) of one model."""
+    out = {}
     for clients in sorted({b.clients for b in bursts}):
         mine = {n: [b for b in bursts if b.system == n and b.clients == clients] for n in names}
-        ref = {b.round: b.tokens / b.wall_s for b in mine[reference]}
         for name in names:
-            cell = mine[name]
-            rates = [b.tokens / b.wall_s for b in cell]
-            ratios = [b.tokens / b.wall_s / ref[b.round] for b in cell if ref.get(b.round)]
-            tokens = sum(b.tokens for b in cell) or 1
-            gateway = sum(b.gateway_s for b in cell) / tokens * 1e6
-            workers = sum(b.workers_s for b in cell) / tokens * 1e6
-            rows.append([
-                str(clients), name, f"{statistics.median(rates):.0f}",
-                f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
-                f"{gateway:.0f}" if name != LLAMA_SERVER else f"({gateway:.0f}, all of it)",
-                f"{workers:.0f}" if name != LLAMA_SERVER else "-",
-            ])  # fmt: skip
-    return rows
+            out[(clients, name)] = Cell.of(mine[name], mine[reference])
+    return out
+
+
+def table(got: dict[tuple[int, str], Cell]) -> list[list[str]]:
+    return [
+        [
+            str(clients), name, f"{c.tok_s:.0f}",
+            f"{c.ratio:.2f} ({c.ratio_min:.2f}-{c.ratio_max:.2f})",
+            f"{c.gateway_us:.0f}" if name != LLAMA_SERVER else f"({c.gateway_us:.0f}, all of it)",
+            f"{c.workers_us:.0f}" if name != LLAMA_SERVER else "-", f"{c.client_us:.0f}",
+        ]
+        for (clients, name), c in got.items()
+    ]  # fmt: skip
+
+
+def save_chart(
+    by_model: dict[str, dict[tuple[int, str], Cell]], reference: str, path: Path
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(by_model), 2, figsize=(12, 3.8 * len(by_model)), squeeze=False)
+    for row, (model, got) in zip(axes, by_model.items(), strict=True):
+        clients = sorted({n for n, _ in got})
+        names = [s for n, s in got if n == clients[0]]
+        width = 0.8 / len(names)
+        for ax, metric, title in (
+            (row[0], "gateway_us", "gateway process's CPU per token (µs, lower is better)"),
+            (row[1], "ratio", f"aggregate decode / {reference}'s, same round (higher is better)"),
+        ):
+            for i, name in enumerate(names):
+                if metric == "gateway_us" and name == LLAMA_SERVER:
+                    continue  # one process with its engine: not a gateway's figure
+                xs = [x + (i - (len(names) - 1) / 2) * width for x in range(len(clients))]
+                ax.bar(xs, [getattr(got[(n, name)], metric) for n in clients], width, label=name)
+            ax.set_xticks(range(len(clients)), [f"{n} client{'s' * (n > 1)}" for n in clients])
+            ax.set_title(f"{model}: {title}", fontsize=9)
+            if metric == "ratio":
+                ax.axhline(1.0, color="#888", linewidth=0.8)
+        row[1].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 COLUMNS = ["Clients", "System", "Aggregate (tok/s)", "/ {ref}, rounds min-max",
-           "Gateway CPU per token (µs)", "Workers' CPU per token (µs)"]  # fmt: skip
+           "Gateway CPU per token (µs)", "Workers' CPU per token (µs)",
+           "Client CPU per token (µs)"]  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -183,7 +256,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bare", action="store_true", help="the bare gateway too")
     p.add_argument("--llama-server", action="store_true", help="llama-server too")
     p.add_argument("--llama-server-binary", type=Path, help="default: build or reuse the cache")
-    p.add_argument("--model", default=bench.TINY, choices=[bench.TINY, bench.REALISTIC])
+    p.add_argument(
+        "--models", nargs="+", default=[bench.REALISTIC, bench.TINY],
+        choices=[bench.TINY, bench.REALISTIC],
+    )  # fmt: skip
+    p.add_argument("--chart", type=Path, help="a plot of the cells (PNG)")
     p.add_argument("--branch", default="q8_0")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--rounds", type=int, default=4)
@@ -195,21 +272,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    bursts = uvloop.run(run(args))
     names = [name for name, _ in args.tree]
     names += [BARE] if args.bare else []
     names += [LLAMA_SERVER] if args.llama_server else []
     reference = names[-1]
-    rows = table(bursts, names, reference)
     columns = [c.format(ref=reference) for c in COLUMNS]
-    print(f"\n{args.model}:{args.branch}, {args.rounds} rounds of {args.seconds:g} s per cell")
-    print("\n".join("| " + " | ".join(r) + " |" for r in [columns, ["---"] * 6, *rows]))
+    bursts: list[Burst] = []
+    by_model = {}
+    for model in args.models:
+        mine = uvloop.run(run(args, model))
+        bursts += mine
+        by_model[model] = cells(mine, names, reference)
+    for model, got in by_model.items():
+        print(f"\n{model}:{args.branch}, {args.rounds} rounds of {args.seconds:g} s per cell")
+        print("\n".join("| " + " | ".join(r) + " |" for r in [columns, ["---"] * 7, *table(got)]))
     out = bench.RESULTS_DIR / f"ab-serving-{time.strftime('%Y-%m-%dT%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"model": args.model, "trees": {n: str(s) for n, s in args.tree},
+    report = {"trees": {n: str(s) for n, s in args.tree}, "reference": reference,
               "machine": bench.machine(), "bursts": [asdict(b) for b in bursts]}  # fmt: skip
     out.write_text(json.dumps(report, indent=2) + "\n")
     log.info("wrote %s", out)
+    if args.chart is not None:
+        save_chart(by_model, reference, args.chart)
+        log.info("wrote %s", args.chart)
     return 0
 
 
