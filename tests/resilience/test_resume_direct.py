@@ -182,3 +182,25 @@ async def test_nothing_is_written_for_a_watcher_that_left() -> None:
     await _settle()
     assert writer.calls == [] and stream.next_seq == 2  # kept for a resume, not written
     await store.close()
+
+
+async def test_a_watcher_that_has_handed_out_nothing_yet_gets_its_first_event_handed_out() -> None:
+    """A resume with nothing new: its first event goes through the response (which frames
+    the first one apart, with ``retry:``), even after keep-alives; the rest directly."""
+    store = StreamStore(StreamSettings())
+    stream, source = _open(store, first=[b"a"])
+    writer = Writer()
+    batches = stream.follow_batches(0, keepalive_s=0.05, direct=writer)  # after "a"
+    assert await anext(batches) is None  # idle: a keep-alive, which is no event
+    parked = asyncio.ensure_future(anext(batches))
+    await _settle()
+    source.put(b"b")
+    assert await parked == [(1, b"b")] and writer.calls == []
+    parked = asyncio.ensure_future(anext(batches))
+    await _settle()
+    source.put(b"c")
+    await _settle()
+    assert writer.written == [(2, b"c")] and not parked.done()
+    source.finish()
+    assert await _rest(batches, parked) == []
+    await store.close()

@@ -219,7 +219,8 @@ class Stream:
         client disconnected).
 
         With ``direct``, an event appended while this watcher is parked, having taken
-        every event before it, is written by ``direct(seq, data)`` in the appending task
+        every event before it and handed out its first batch (a response's first event
+        is framed apart), is written by ``direct(seq, data)`` in the appending task
         and not handed out here (the stream's one such watcher at a time): no task wake
         per event while the reader keeps up. A write it refuses (``False``) leaves the
         event to be handed out as usual, and the events after it with it."""
@@ -227,6 +228,7 @@ class Stream:
         cursor = [seq]
         self._attach(cursor)
         loop = asyncio.get_running_loop()
+        handed = False  # a batch went out: the response's first event (``retry:``) is past
         if until is not None:
             until.add_done_callback(self._woken)
         try:
@@ -244,6 +246,7 @@ class Stream:
                     end = min(self.next_seq, seq + max_batch)
                     batch = [(s, self._events[s - first]) for s in range(seq, end)]
                     seq = end
+                    handed = True
                     yield batch
                     continue
                 if cursor[0] != seq:
@@ -257,7 +260,7 @@ class Stream:
                 timer = None
                 if keepalive_s is not None:
                     timer = loop.call_later(keepalive_s, _time_out, waiter)
-                if direct is not None and self._direct is None:
+                if direct is not None and handed and self._direct is None:
                     self._direct = (direct, cursor, waiter)
                 idle = False
                 try:
