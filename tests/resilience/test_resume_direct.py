@@ -5,6 +5,7 @@ other watchers and the producer's window as before, keep-alives only when nothin
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator
 
 from qrtest import StreamSource as Source
@@ -142,28 +143,54 @@ async def test_events_written_directly_make_room_in_the_producers_window() -> No
     await store.close()
 
 
-async def test_keepalives_come_only_when_nothing_was_written_meanwhile() -> None:
+async def test_a_keepalive_comes_keepalive_s_after_the_last_write_and_never_before() -> None:
     store = StreamStore(StreamSettings())
     stream, source = _open(store, first=[b"a"])
     writer = Writer()
-    batches = stream.follow_batches(None, keepalive_s=0.1, direct=writer)
+    batches = stream.follow_batches(None, keepalive_s=0.5, direct=writer)
     assert await anext(batches) == [(0, b"a")]
-    got: list[object] = []
+    got: list[tuple[float, object]] = []
+    came = asyncio.Event()
 
     async def read() -> None:
         async for batch in batches:
-            got.append(batch)
+            got.append((time.monotonic(), batch))
+            came.set()
 
     reading = asyncio.ensure_future(read())
     await _settle()  # parked
-    for i in range(12):  # 0.36 s of events every 0.03 s: never idle for 0.1 s
+    for i in range(16):  # 0.8 s of events every 0.05 s: never silent for 0.5 s
         source.put(b"%d" % i)
-        await asyncio.sleep(0.03)
-    assert got == [] and len(writer.written) == 12
-    await asyncio.sleep(0.25)  # idle now: keep-alives
-    assert got and all(item is None for item in got)
+        await asyncio.sleep(0.05)
+    last = time.monotonic() - 0.05
+    assert got == [] and len(writer.written) == 16
+    await asyncio.wait_for(came.wait(), 2)
+    when, item = got[0]
+    # its timer ran out twice while the events went; what counts is the last one
+    assert item is None and 0.45 <= when - last < 0.65
     source.finish()
-    await asyncio.wait_for(reading, 1)
+    await asyncio.wait_for(reading, 2)
+    await store.close()
+
+
+async def test_a_watcher_woken_but_not_yet_running_does_not_keep_the_others_waiting() -> None:
+    """The direct watcher's wait was ended (another client left) and it has not run yet when
+    a resume parks and an event comes: the resume is woken for it all the same."""
+    store = StreamStore(StreamSettings())
+    stream, source = _open(store, first=[b"a"])
+    writer = Writer()
+    direct = stream.follow_batches(None, keepalive_s=5, direct=writer)
+    assert await anext(direct) == [(0, b"a")]
+    parked = asyncio.ensure_future(anext(direct))
+    await _settle()
+    resumed = asyncio.ensure_future(anext(stream.follow_batches(0, keepalive_s=5)))
+    loop = asyncio.get_running_loop()
+    loop.call_soon(stream.append, b"b")  # after the resume parks, before the watcher runs
+    stream._wake()  # as when a third watcher's client leaves
+    assert await asyncio.wait_for(resumed, 1) == [(1, b"b")]
+    assert writer.written == [(1, b"b")]
+    source.finish()
+    assert await _rest(direct, parked) == []  # woken, it hands out nothing written already
     await store.close()
 
 

@@ -20,8 +20,9 @@ only while its follower is parked and has written everything before
 (``resilience/resume.py``: ``Stream.follow_batches``): the bytes on the wire are
 the same, in the same order, as through ``send``.
 
-It is offered for uvicorn's httptools protocol only (what ``quantroute serve``
-runs), whose request cycle it reads: the transport, whether the response is
+It is offered for uvicorn's httptools protocol on Linux only (what ``quantroute
+serve`` runs there; ``HeadWithBody`` needs ``TCP_CORK`` to hold the head for the
+first body), whose request cycle it reads: the transport, whether the response is
 chunked, started, complete, or its client gone, and its flow control. Whenever
 any of those says no, :meth:`DirectBody.write` refuses and the event goes out
 through ``send`` as before, which waits for a slow client's socket to drain.

@@ -116,6 +116,7 @@ class Stream:
         # The parked watcher whose events may be written where they are appended: its
         # writer, its cursor and the future it waits on (see ``follow_batches``).
         self._direct: tuple[DirectWrite, list[int], asyncio.Future[None]] | None = None
+        self._written_at = 0.0  # monotonic time of its last direct write
 
     @property
     def first_seq(self) -> int:
@@ -177,7 +178,9 @@ class Stream:
             # written here only when every event before it was: the order on the wire
             if cursor[0] == seq and write(seq, data):
                 cursor[0] = seq + 1  # read: parked with it, this watcher is nobody's floor
-                if len(self._waiters) > 1:
+                self._written_at = time.monotonic()  # its keep-alive counts from here
+                waiters = self._waiters
+                if waiters and (len(waiters) > 1 or waiters[0] is not parked):
                     self._wake(but=parked)  # the other watchers see it as before
                 return
         self._wake()
@@ -229,6 +232,7 @@ class Stream:
         self._attach(cursor)
         loop = asyncio.get_running_loop()
         handed = False  # a batch went out: the response's first event (``retry:``) is past
+        silent_s = keepalive_s or 0.0  # the next wait's keep-alive timer
         if until is not None:
             until.add_done_callback(self._woken)
         try:
@@ -247,6 +251,7 @@ class Stream:
                     batch = [(s, self._events[s - first]) for s in range(seq, end)]
                     seq = end
                     handed = True
+                    silent_s = keepalive_s or 0.0
                     yield batch
                     continue
                 if cursor[0] != seq:
@@ -259,14 +264,14 @@ class Stream:
                 self._waiters.append(waiter)
                 timer = None
                 if keepalive_s is not None:
-                    timer = loop.call_later(keepalive_s, _time_out, waiter)
+                    timer = loop.call_later(silent_s, _time_out, waiter)
                 if direct is not None and handed and self._direct is None:
                     self._direct = (direct, cursor, waiter)
-                idle = False
+                timed_out = False
                 try:
                     await waiter
                 except TimeoutError:
-                    idle = cursor[0] == seq  # nothing was written for it meanwhile either
+                    timed_out = True
                 finally:
                     if self._direct is not None and self._direct[2] is waiter:
                         self._direct = None  # awake: what comes now is handed out in order
@@ -274,8 +279,12 @@ class Stream:
                         timer.cancel()
                     if waiter in self._waiters:  # timed out or cancelled: not woken
                         self._waiters.remove(waiter)
-                seq = cursor[0]  # past the events written where they were appended
-                if idle:
+                written = cursor[0] != seq  # events written for it where they were appended
+                seq = cursor[0]
+                silent_s = keepalive_s or 0.0
+                if written:  # not silent: a keep-alive is due that long after the last write
+                    silent_s = max(0.0, self._written_at + silent_s - time.monotonic())
+                elif timed_out:
                     yield None
         finally:
             if until is not None:
