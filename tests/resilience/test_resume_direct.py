@@ -62,14 +62,28 @@ async def _rest(batches: Batches, parked: asyncio.Future[object] | None = None) 
     return [seq for batch in got if isinstance(batch, list) for seq, _ in batch]
 
 
+async def _first_handed_out(
+    store: StreamStore, writer: Writer, keepalive_s: float = 5
+) -> tuple[Stream, Source, Batches]:
+    """A stream whose first event ("a") a direct watcher has handed out."""
+    stream, source = _open(store, first=[b"a"])
+    batches = stream.follow_batches(None, keepalive_s=keepalive_s, direct=writer)
+    assert await anext(batches) == [(0, b"a")]  # the first: handed out (the head goes with it)
+    return stream, source, batches
+
+
+async def _park(batches: Batches) -> asyncio.Future[object]:
+    """The watcher's next read, waiting."""
+    parked: asyncio.Future[object] = asyncio.ensure_future(anext(batches))
+    await _settle()
+    return parked
+
+
 async def test_events_come_while_the_watcher_is_parked_are_written_in_the_producers_task() -> None:
     store = StreamStore(StreamSettings())
-    stream, source = _open(store, first=[b"a"])
     writer = Writer()
-    batches = stream.follow_batches(None, keepalive_s=5, direct=writer)
-    assert await anext(batches) == [(0, b"a")]  # the first: handed out (the head goes with it)
-    parked = asyncio.ensure_future(anext(batches))
-    await _settle()
+    _stream, source, batches = await _first_handed_out(store, writer)
+    parked = await _park(batches)
     source.put(b"b", b"c")
     await _settle()
     assert writer.written == [(1, b"b"), (2, b"c")]
@@ -82,18 +96,14 @@ async def test_events_come_while_the_watcher_is_parked_are_written_in_the_produc
 
 async def test_a_refused_write_leaves_that_event_and_those_after_it_to_the_watcher() -> None:
     store = StreamStore(StreamSettings())
-    stream, source = _open(store, first=[b"a"])
     writer = Writer(refuse=1)
-    batches = stream.follow_batches(None, keepalive_s=5, direct=writer)
-    assert await anext(batches) == [(0, b"a")]
-    parked = asyncio.ensure_future(anext(batches))
-    await _settle()
+    _stream, source, batches = await _first_handed_out(store, writer)
+    parked = await _park(batches)
     source.put(b"b", b"c")  # b is refused: c may not overtake it on the wire
     await _settle()
     assert writer.calls == [(1, b"b")] and writer.written == []
     assert await parked == [(1, b"b"), (2, b"c")]
-    parked = asyncio.ensure_future(anext(batches))
-    await _settle()
+    parked = await _park(batches)
     source.put(b"d")  # parked again, with everything before it taken
     await _settle()
     assert writer.written == [(3, b"d")]
@@ -104,10 +114,8 @@ async def test_a_refused_write_leaves_that_event_and_those_after_it_to_the_watch
 
 async def test_the_other_watchers_get_every_event_as_before() -> None:
     store = StreamStore(StreamSettings())
-    stream, source = _open(store, first=[b"a"])
     writer = Writer()
-    direct = stream.follow_batches(None, keepalive_s=5, direct=writer)
-    assert await anext(direct) == [(0, b"a")]
+    stream, source, direct = await _first_handed_out(store, writer)
     seen: list[int] = []
 
     async def follow_plainly() -> None:
@@ -115,8 +123,7 @@ async def test_the_other_watchers_get_every_event_as_before() -> None:
             seen.extend(seq for seq, _ in batch or ())
 
     plain = asyncio.ensure_future(follow_plainly())
-    parked = asyncio.ensure_future(anext(direct))
-    await _settle()
+    parked = await _park(direct)
     for seq, item in enumerate((b"b", b"c", b"d"), start=1):
         source.put(item)
         await _settle()
@@ -145,10 +152,8 @@ async def test_events_written_directly_make_room_in_the_producers_window() -> No
 
 async def test_a_keepalive_comes_keepalive_s_after_the_last_write_and_never_before() -> None:
     store = StreamStore(StreamSettings())
-    stream, source = _open(store, first=[b"a"])
     writer = Writer()
-    batches = stream.follow_batches(None, keepalive_s=0.5, direct=writer)
-    assert await anext(batches) == [(0, b"a")]
+    _stream, source, batches = await _first_handed_out(store, writer, keepalive_s=0.5)
     got: list[tuple[float, object]] = []
     came = asyncio.Event()
 
@@ -177,12 +182,9 @@ async def test_a_watcher_woken_but_not_yet_running_does_not_keep_the_others_wait
     """The direct watcher's wait was ended (another client left) and it has not run yet when
     a resume parks and an event comes: the resume is woken for it all the same."""
     store = StreamStore(StreamSettings())
-    stream, source = _open(store, first=[b"a"])
     writer = Writer()
-    direct = stream.follow_batches(None, keepalive_s=5, direct=writer)
-    assert await anext(direct) == [(0, b"a")]
-    parked = asyncio.ensure_future(anext(direct))
-    await _settle()
+    stream, source, direct = await _first_handed_out(store, writer)
+    parked = await _park(direct)
     resumed = asyncio.ensure_future(anext(stream.follow_batches(0, keepalive_s=5)))
     loop = asyncio.get_running_loop()
     loop.call_soon(stream.append, b"b")  # after the resume parks, before the watcher runs
@@ -196,12 +198,9 @@ async def test_a_watcher_woken_but_not_yet_running_does_not_keep_the_others_wait
 
 async def test_nothing_is_written_for_a_watcher_that_left() -> None:
     store = StreamStore(StreamSettings())
-    stream, source = _open(store, first=[b"a"])
     writer = Writer()
-    batches = stream.follow_batches(None, keepalive_s=5, direct=writer)
-    assert await anext(batches) == [(0, b"a")]
-    parked = asyncio.ensure_future(anext(batches))
-    await _settle()
+    stream, source, batches = await _first_handed_out(store, writer)
+    parked = await _park(batches)
     parked.cancel()  # its client went while it waited
     await _settle()
     await batches.aclose()
@@ -223,8 +222,7 @@ async def test_a_watcher_that_has_handed_out_nothing_yet_gets_its_first_event_ha
     await _settle()
     source.put(b"b")
     assert await parked == [(1, b"b")] and writer.calls == []
-    parked = asyncio.ensure_future(anext(batches))
-    await _settle()
+    parked = await _park(batches)
     source.put(b"c")
     await _settle()
     assert writer.written == [(2, b"c")] and not parked.done()
