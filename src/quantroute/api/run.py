@@ -183,19 +183,13 @@ class Run:
                     if batch:
                         yield batch
                     raise error
-                for i, stream in enumerate(streams):
-                    if self._sent[i] < 0:
-                        continue  # finished
-                    try:
-                        events = stream.take_ready()
-                    except Exception as exc:
-                        self._failed = self._failed or isinstance(exc, EngineError)
-                        if batch:
-                            yield batch  # what came before the error still goes out
-                        raise
-                    for event in events:
-                        self._note(i, event)
-                        batch.append((i, event))
+                try:
+                    self._take(batch)
+                except Exception as exc:
+                    self._failed = self._failed or isinstance(exc, EngineError)
+                    if batch:
+                        yield batch  # what came before the error still goes out
+                    raise
                 if batch:
                     yield batch
                     batch = []
@@ -246,18 +240,21 @@ class Run:
         """Give ``inline`` the plain tokens that came; whether the reader may sleep on
         (nothing else came, and ``inline`` took them)."""
         batch: list[tuple[int, EngineEvent]] = []
-        more = False
-        for i, stream in enumerate(self._push):
-            if self._sent[i] < 0:
-                continue
-            for event in stream.take_ready(tokens_only=True):
-                self._note(i, event)
-                batch.append((i, event))
-            more = more or stream.has_ready()
+        self._take(batch, tokens_only=True)  # never raises: an error is not a plain token
         if batch and not inline(batch):
             self._carry.extend(batch)  # no room in the stream: the reader waits for it
             return False
-        return not more
+        return not any(stream.has_ready() for stream in self._push)
+
+    def _take(self, batch: list[tuple[int, EngineEvent]], tokens_only: bool = False) -> None:
+        """Add to ``batch``, counted, what came from the push sources not finished yet (with
+        ``tokens_only``, their plain tokens). A source's error raises after the events
+        before it were added."""
+        for i, stream in enumerate(self._push):
+            if self._sent[i] >= 0:
+                for event in stream.take_ready(tokens_only):
+                    self._note(i, event)
+                    batch.append((i, event))
 
     def _put(self, item: tuple[int, EngineEvent] | BaseException | None) -> None:
         self._ready.append(item)
