@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import json
 import logging
@@ -38,11 +37,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import psutil
 import uvloop
 
 import bench_serving as bench
-from servers import Server, free_port
 from serving_systems import (
     BARE,
     LLAMA_SERVER,
@@ -51,6 +48,7 @@ from serving_systems import (
     Workload,
     bare_gateway_system,
     llama_server_system,
+    quantroute_system,
 )
 
 log = logging.getLogger("ab_serving")
@@ -69,31 +67,10 @@ class Burst:
     client_s: float  # this process: the clients reading the streams
 
 
-def tree_system(name: str, src: Path, repo: Path, cfg: Settings, logs: Path) -> HttpSystem:
-    """``quantroute serve`` from the code in ``src``, with the serving benchmark's flags."""
-    port = free_port()
-    argv = [
-        "env", f"PYTHONPATH={src.resolve()}", sys.executable, "-m", "quantroute.cli", "serve",
-        "--repo", str(repo), "--host", "127.0.0.1", "--port", str(port),
-        "--engine-parallel", str(cfg.parallel), "--engine-n-threads", str(cfg.threads),
-        "--engine-n-ctx", str(cfg.n_ctx), "--server-log-level", "warning",
-        "--engine-prompt-cache", "false",
-    ]  # fmt: skip
-    return HttpSystem(Server(name, argv, port, "/readyz", logs / f"{name}.log"), {}, cfg.parallel)
-
-
 def split_cpu_s(system: HttpSystem) -> tuple[float, float]:
     """CPU seconds so far of the server's own process and of its children."""
-    proc = system.server.proc
-    assert proc is not None
-    root = psutil.Process(proc.pid)
-    own = sum(root.cpu_times()[:2])
-    children = 0.0
-    for child in root.children(recursive=True):
-        with contextlib.suppress(psutil.NoSuchProcess):
-            times = child.cpu_times()
-            children += times.user + times.system
-    return own, children
+    own = system.server.own_cpu_s()
+    return own, system.server.cpu_s() - own
 
 
 async def burst(
@@ -122,7 +99,10 @@ async def run(args: argparse.Namespace, model: str) -> list[Burst]:
     )
     # Each made just before it starts: its free port is taken at once, not after the
     # connections to the ones before have used ephemeral ports for a while.
-    makers = [functools.partial(tree_system, name, src, repo, cfg, logs) for name, src in args.tree]
+    makers = [
+        functools.partial(quantroute_system, repo, cfg, logs, name=name, src=src)
+        for name, src in args.tree
+    ]
     if args.bare:
         makers.append(functools.partial(bare_gateway_system, path, cfg, logs))
     if args.llama_server:

@@ -228,16 +228,23 @@ class HttpSystem:
         return record, False
 
 
-def quantroute_system(repo: Path, cfg: Settings, logs: Path) -> HttpSystem:
+def quantroute_system(
+    repo: Path, cfg: Settings, logs: Path, *, name: str = QUANTROUTE, src: Path | None = None
+) -> HttpSystem:
+    """``quantroute serve``; with ``src``, the code in that folder (``PYTHONPATH``: a git
+    worktree's ``src``, say) on this interpreter, its workers too."""
     port = free_port()
+    command = [quantroute_command()] if src is None else [
+        "env", f"PYTHONPATH={src.resolve()}", sys.executable, "-m", "quantroute.cli",
+    ]  # fmt: skip
     argv = [
-        quantroute_command(), "serve", "--repo", str(repo), "--host", "127.0.0.1",
+        *command, "serve", "--repo", str(repo), "--host", "127.0.0.1",
         "--port", str(port), "--engine-parallel", str(cfg.parallel),
         "--engine-n-threads", str(cfg.threads), "--engine-n-ctx", str(cfg.n_ctx),
         "--server-log-level", "warning",
         "--engine-prompt-cache", "true" if cfg.prompt_cache else "false",
     ]  # fmt: skip
-    server = Server(QUANTROUTE, argv, port, "/readyz", logs / "quantroute.log")
+    server = Server(name, argv, port, "/readyz", logs / f"{name}.log")
     return HttpSystem(server, {}, cfg.parallel)
 
 
