@@ -1,11 +1,13 @@
 """Many streams at once over real sockets, read by clients that misbehave in every way a
 network lets them: fast, slowly through small buffers (so uvicorn's flow control pauses
 the writes), dropping and resuming with ``Last-Event-ID``, watching a stream another client
-is reading, or leaving for good. Whether a chunk went out through ``send`` or straight
-from the producer's task (``api/direct.py``), every stream read to its end must arrive
-whole: valid chunked framing, events numbered without a gap or a repeat, the text the
-engine made, ``[DONE]`` last, and the connection fit for its next request. Nothing may
-keep generating for a client that left."""
+is reading, or leaving for good; over fake engines, and over a real llama.cpp worker,
+whose tokens go out from the task that reads its pipe. Whether a chunk went out through
+``send`` or straight from the task that had it (``api/direct.py``), every stream read to
+its end must arrive whole: valid chunked framing, events numbered without a gap or a
+repeat, every token counted (and over the fake engines the very text they make), the same
+events for every reader of one stream, ``[DONE]`` last, and the connection fit for its
+next request. Nothing may keep generating for a client that left."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import asyncio
 import json
 import random
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,32 +23,48 @@ import pytest
 from fastapi import FastAPI
 
 from qrtest import ADMIN_KEY, fake_table, live
+from quantroute.api.app import create_app
 from quantroute.api.direct import DirectBody
+from quantroute.config import DEMO_REPO, Settings, load_settings
 from quantroute.engines.fake import FakeEngine
 
 TEXT = "def fake():\n    return 42\n"  # FakeEngine's, a character a token
-PROMPT = "chaos"
 
 
 def made(n: int) -> str:
-    """What the engine makes for ``max_tokens`` n."""
+    """What the fake engine makes for ``max_tokens`` n."""
     return "".join(TEXT[i % len(TEXT)] for i in range(n))
 
 
-def chaos_app(engines: dict[str, FakeEngine], window: int) -> FastAPI:
-    from quantroute.api.app import create_app
-    from quantroute.config import load_settings
+@dataclass(frozen=True)
+class Workload:
+    """What the clients ask for, and what a whole stream of n tokens must say."""
 
-    settings = load_settings(
-        telemetry={"devices": "sim:1x24GiB"},
+    body: dict[str, Any]  # every request's fields but max_tokens and stream
+    sizes: tuple[int, ...]  # max_tokens, one drawn per stream
+    stall_tokens: int  # a stalling reader's stream: long enough to fill its socket
+    text: Callable[[int], str] | None  # the text of n tokens, where it is known
+
+
+FAKE = Workload({"model": "tiny-llama", "prompt": "chaos"}, (8, 60, 300, 900), 3000, made)
+LLAMA = Workload(  # greedy and never stopping early: a stream of n tokens has n
+    {"model": "tiny-llama:q8_0", "prompt": "def ", "temperature": 0.0, "ignore_eos": True},
+    sizes=(8, 40, 160, 400),
+    stall_tokens=480,
+    text=None,
+)
+
+
+def chaos_settings(window: int, **more: Any) -> Settings:
+    return load_settings(
         server={"admin_key": ADMIN_KEY, "keepalive_s": 0.05},  # keep-alives among the writes
         # a short window holds a slow reader's producer back before its socket fills; a long
         # one lets the socket fill. A long grace: a generation left running for a client
         # that left is still running at the check
         streams={"max_events_per_stream": window, "resume_grace_s": 60.0},
         admission={"queue_size": 256},
+        **more,
     )
-    return create_app(settings, fake_table(dict(engines)))
 
 
 @dataclass
@@ -151,18 +169,20 @@ class Conn:
             self.writer.transport.abort()
 
 
-def text_of(events: list[Event]) -> str:
-    return "".join(
-        c["text"] for e in events if e.data != "[DONE]" for c in json.loads(e.data)["choices"]
-    )
-
-
-def check_whole(reads: list[Read], job: str, n: int) -> None:
+def check_whole(reads: list[Read], job: str, n: int, work: Workload) -> None:
     """The reads of one stream, in the order made (a drop, its resumes), are all of it."""
     events = [e for r in reads for e in r.events]
     assert [e.id for e in events] == [f"{job}/{i}" for i in range(len(events))]
     assert events[-1].data == "[DONE]" and reads[-1].ended
-    assert text_of(events) == made(n)
+    chunks = [json.loads(e.data) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == n  # the usage chunk, last
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    text = "".join(c["text"] for c in choices)
+    if work.text is not None:
+        assert text == work.text(n)
+    if any(c.get("logprobs") for c in choices):  # one entry a token, in order
+        tokens = [t for c in choices if c.get("logprobs") for t in c["logprobs"]["tokens"]]
+        assert len(tokens) == n and "".join(tokens) == text
     for r in reads:  # each response's first event says how soon to reconnect, and only it
         assert [e.retry is not None for e in r.events] == [True] + [False] * (len(r.events) - 1)
 
@@ -172,13 +192,16 @@ def done(reads: list[Read]) -> bool:
 
 
 async def play(
-    port: int, rng: random.Random, kinds: tuple[str, ...], stats: dict[str, int]
+    port: int, rng: random.Random, work: Workload, kinds: tuple[str, ...], stats: dict[str, int]
 ) -> None:
     """One client: a stream read in one of the ways, checked, then the connection reused."""
     kind = rng.choice(kinds)
-    n = 3000 if kind == "stall" else rng.choice((8, 60, 300, 900))
+    n = work.stall_tokens if kind == "stall" else rng.choice(work.sizes)
     slow = kind in ("slow", "stall", "watch") or rng.random() < 0.3
-    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": n, "stream": True}
+    body = work.body | {"max_tokens": n, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    if kind == "stall" or rng.random() < 0.2:  # bigger events, rendered the long way
+        body["logprobs"] = 2
     resumable = {"x_quantroute_resumable": "true"} if kind in ("drop", "watch") else {}
     conns = [Conn(port, rng, slow=slow)]
     try:
@@ -214,7 +237,7 @@ async def play(
                 stats["resumed"] += 1
             if not reads[-1].ended:  # [DONE] came, the body's last chunk not yet
                 await conn.events(reads[-1])
-            check_whole(reads, job, n)
+            check_whole(reads, job, n, work)
         elif kind == "watch":  # a second reader from the start while the first still reads
             other = Conn(port, rng, slow=False)
             conns.append(other)
@@ -224,21 +247,23 @@ async def play(
             await other.head(seen)
             assert seen.status == 200, seen.headers
             await asyncio.gather(conn.events(first), other.events(seen))
-            check_whole([first], job, n)
-            check_whole([seen], job, n)
+            check_whole([first], job, n, work)
+            check_whole([seen], job, n, work)
+            assert [e.data for e in seen.events] == [e.data for e in first.events]
         else:
             if kind == "stall":  # reads nothing for a while: the server's socket fills
                 await asyncio.sleep(1.0)
             await conn.events(first)
-            check_whole([first], job, n)
+            check_whole([first], job, n, work)
 
         # the connection carries on: its next bytes are the next response's, nothing stray
-        conn.request("POST", "/v1/completions", body | {"stream": False, "max_tokens": 5})
+        conn.request("POST", "/v1/completions", work.body | {"max_tokens": 5})
         after = Read()
         await conn.head(after)
         assert after.status == 200
-        whole = b"".join([piece async for piece in conn.body(after)])
-        assert json.loads(whole)["choices"][0]["text"] == made(5)
+        whole = json.loads(b"".join([piece async for piece in conn.body(after)]))
+        assert whole["usage"]["completion_tokens"] == 5
+        assert work.text is None or whole["choices"][0]["text"] == work.text(5)
     except Exception as exc:  # say which client it was
         raise AssertionError(f"a {kind!r} client of {n} tokens (slow: {slow})") from exc
     finally:
@@ -249,6 +274,52 @@ async def play(
 KINDS = ("fast", "slow", "stall", "drop", "watch", "leave")
 
 
+class Direct:
+    """``DirectBody.write`` counted, over sockets with a small send buffer: a slow network,
+    so a reader that stalls fills its socket and uvicorn's flow control pauses the writes."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.written = 0
+        self.refused_full = 0  # refused because the socket's buffer was full
+        narrowed: set[int] = set()
+        real = DirectBody.write
+
+        def counted(body: DirectBody, data: bytes) -> bool:
+            if id(body) not in narrowed:
+                narrowed.add(id(body))
+                sock = body._transport.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)  # no autotuning
+            full = body._open and body._cycle.flow.write_paused
+            ok = real(body, data)
+            self.written += ok
+            self.refused_full += full
+            return ok
+
+        monkeypatch.setattr(DirectBody, "write", counted)
+
+
+async def run_clients(
+    app: FastAPI, work: Workload, kinds: tuple[str, ...], clients: int, seed: int
+) -> dict[str, int]:
+    """``clients`` clients at once, each reading one way; then every engine idle."""
+    rng = random.Random(seed)
+    stats = dict.fromkeys(kinds, 0) | {"resumed": 0 if "drop" in kinds else 1}
+    # a keep-alive connection outlives a slow reader's last chunks (uvicorn's default: 5 s
+    # after the server wrote them), so its next request finds it open
+    async with live(app, timeout_keep_alive=60) as port:
+        async with asyncio.timeout(120), asyncio.TaskGroup() as group:  # one fails: all stop
+            for _ in range(clients):
+                group.create_task(play(port, random.Random(rng.random()), work, kinds, stats))
+        # every generation ends: a client that left cancelled its own, none waits on grace
+        engines = [b.engine for b in app.state.gateway.routes.current.branches()]
+        for _ in range(500):
+            if all(e.in_flight == 0 for e in engines):
+                break
+            await asyncio.sleep(0.01)
+        assert [e.in_flight for e in engines] == [0] * len(engines)
+    return stats
+
+
 # A window of 64 keeps 8 events behind a reader that dropped (``Stream._ahead``), fewer than
 # a socket's buffers hold, so its drops may come back to a 404 by design: it plays no drops.
 @pytest.mark.slow
@@ -256,39 +327,26 @@ KINDS = ("fast", "slow", "stall", "drop", "watch", "leave")
 async def test_streams_read_every_way_at_once_arrive_whole_and_leave_nothing_running(
     monkeypatch: pytest.MonkeyPatch, seed: int, window: int
 ) -> None:
-    direct = {"written": 0, "refused_full": 0}
-    real = DirectBody.write
-    narrowed: set[int] = set()
-
-    def counted(self: DirectBody, body: bytes) -> bool:
-        if id(self) not in narrowed:  # a slow network: a small send buffer, no autotuning
-            narrowed.add(id(self))
-            sock = self._transport.get_extra_info("socket")
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
-        full = self._open and self._cycle.flow.write_paused
-        ok = real(self, body)
-        direct["written"] += ok
-        direct["refused_full"] += full
-        return ok
-
-    monkeypatch.setattr(DirectBody, "write", counted)
+    direct = Direct(monkeypatch)
     engines = {n: FakeEngine(n_ctx=4096, token_delay_s=0.0005) for n in ("f16", "q8_0", "q4_k_m")}
-    rng = random.Random(seed)
+    settings = chaos_settings(window, telemetry={"devices": "sim:1x24GiB"})
     kinds = tuple(k for k in KINDS if k != "drop" or window > 64)
-    stats = dict.fromkeys(kinds, 0) | {"resumed": 0 if "drop" in kinds else 1}
-    # a keep-alive connection outlives a slow reader's last chunks (uvicorn's default: 5 s
-    # after the server wrote them), so its next request finds it open
-    async with live(chaos_app(engines, window), timeout_keep_alive=60) as port:
-        async with asyncio.timeout(120), asyncio.TaskGroup() as clients:  # one fails: all stop
-            for _ in range(40):
-                clients.create_task(play(port, random.Random(rng.random()), kinds, stats))
-        # every generation ends: a client that left cancelled its own, nobody waits on grace
-        for _ in range(300):
-            if all(e.in_flight == 0 for e in engines.values()):
-                break
-            await asyncio.sleep(0.01)
-        assert [e.in_flight for e in engines.values()] == [0, 0, 0]
+    stats = await run_clients(
+        create_app(settings, fake_table(dict(engines))), FAKE, kinds, 40, seed
+    )
     assert min(stats.values()) > 0, stats  # every way of reading was played
     # both paths carried events: written where they were made, and (where the window lets
     # a slow reader's socket fill before its producer waits) through send past a full one
-    assert direct["written"] > 100 and (direct["refused_full"] > 0 or window < 100), direct
+    assert direct.written > 100 and (direct.refused_full > 0 or window < 100), vars(direct)
+
+
+@pytest.mark.slow
+async def test_a_llamacpp_workers_streams_read_every_way_at_once_arrive_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    direct = Direct(monkeypatch)
+    engine = {"parallel": 8, "n_threads": 1}
+    app = create_app(chaos_settings(4096, repo=DEMO_REPO, engine=engine))
+    stats = await run_clients(app, LLAMA, KINDS, 20, seed=5)
+    assert min(stats.values()) > 0, stats
+    assert direct.written > 100 and direct.refused_full > 0, vars(direct)
