@@ -13,8 +13,10 @@ and client. Reported per system: the median of its rounds' aggregate tok/s, the 
 rounds of its rate / the reference's in the same round (the last system: llama-server,
 else the bare gateway, else the last tree), and CPU per token of the gateway process
 alone, of its workers (psutil: the server's own process, then its children) and of the
-clients reading its streams (this process: the same client for every system); with
-``--chart``, a plot of both.
+clients reading its streams (this process: the same client for every system), and the
+gateway's CPU per request; with ``--chart``, a plot of both. Prompt caching is off in
+every system unless ``--prompt-cache`` (then a request prefills its last few tokens, and
+a short ``--max-tokens`` shows what a request costs the gateway apart from its tokens).
 
     git worktree add /tmp/before HEAD~1
     python benchmarks/ab_serving.py --tree before=/tmp/before/src --tree after=src --bare \
@@ -65,6 +67,7 @@ class Burst:
     gateway_s: float  # the server's own process
     workers_s: float  # its children
     client_s: float  # this process: the clients reading the streams
+    requests: int = 0  # the streams it served
 
 
 def split_cpu_s(system: HttpSystem) -> tuple[float, float]:
@@ -86,13 +89,15 @@ async def burst(
     if failed:
         raise SystemExit(f"{system.name}: {len(failed)} stream(s) failed or miscounted")
     gateway_s, workers_s = own_after - own, children_after - children
-    return Burst(model, system.name, clients, i, tokens, wall, gateway_s, workers_s, client)
+    return Burst(
+        model, system.name, clients, i, tokens, wall, gateway_s, workers_s, client, len(streams)
+    )
 
 
 async def run(args: argparse.Namespace, model: str) -> list[Burst]:
     repo = bench.model_repo(model, None)
     path = bench.model_file(repo, model, args.branch)
-    cfg = Settings(1, 16, 512, False, 0)
+    cfg = Settings(1, 16, 512, args.prompt_cache, 0)
     logs = bench.RESULTS_DIR / "logs" / "ab"
     work = Workload(
         f"{model}:{args.branch}", bench.PROMPT, args.max_tokens, bench.eos_id(path), False
@@ -148,18 +153,21 @@ class Cell:
     gateway_us: float  # CPU per token: the server's own process
     workers_us: float  # and its children
     client_us: float  # and the clients'
+    gateway_request_us: float  # the server's own process, per request
 
     @classmethod
     def of(cls, cell: list[Burst], reference: list[Burst]) -> Cell:
         ref = {b.round: b.tokens / b.wall_s for b in reference}
         ratios = [b.tokens / b.wall_s / ref[b.round] for b in cell if ref.get(b.round)]
         tokens = sum(b.tokens for b in cell) or 1
+        requests = sum(b.requests for b in cell) or 1
         return cls(
             statistics.median(b.tokens / b.wall_s for b in cell),
             statistics.median(ratios), min(ratios), max(ratios),
             sum(b.gateway_s for b in cell) / tokens * 1e6,
             sum(b.workers_s for b in cell) / tokens * 1e6,
             sum(b.client_s for b in cell) / tokens * 1e6,
+            sum(b.gateway_s for b in cell) / requests * 1e6,
         )  # fmt: skip
 
 
@@ -180,6 +188,7 @@ def table(got: dict[tuple[int, str], Cell]) -> list[list[str]]:
             f"{c.ratio:.2f} ({c.ratio_min:.2f}-{c.ratio_max:.2f})",
             f"{c.gateway_us:.0f}" if name != LLAMA_SERVER else f"({c.gateway_us:.0f}, all of it)",
             f"{c.workers_us:.0f}" if name != LLAMA_SERVER else "-", f"{c.client_us:.0f}",
+            f"{c.gateway_request_us:.0f}" if name != LLAMA_SERVER else "-",
         ]
         for (clients, name), c in got.items()
     ]  # fmt: skip
@@ -220,7 +229,7 @@ def save_chart(
 
 COLUMNS = ["Clients", "System", "Aggregate (tok/s)", "/ {ref}, rounds min-max",
            "Gateway CPU per token (µs)", "Workers' CPU per token (µs)",
-           "Client CPU per token (µs)"]  # fmt: skip
+           "Client CPU per token (µs)", "Gateway CPU per request (µs)"]  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -246,6 +255,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--seconds", type=float, default=3.0, help="per system, round and cell")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument(
+        "--prompt-cache", action="store_true",
+        help="every system keeps its prompt cache (a request then prefills a few tokens)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -265,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         by_model[model] = cells(mine, names, reference)
     for model, got in by_model.items():
         print(f"\n{model}:{args.branch}, {args.rounds} rounds of {args.seconds:g} s per cell")
-        print("\n".join("| " + " | ".join(r) + " |" for r in [columns, ["---"] * 7, *table(got)]))
+        rows = [columns, ["---"] * len(columns), *table(got)]
+        print("\n".join("| " + " | ".join(r) + " |" for r in rows))
     out = bench.RESULTS_DIR / f"ab-serving-{time.strftime('%Y-%m-%dT%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"trees": {n: str(s) for n, s in args.tree}, "reference": reference,

@@ -10,7 +10,13 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 from quantroute.api.jobs import Job
-from quantroute.engines.base import EngineEvent, FinishEvent, PushSource, TokenEvent
+from quantroute.engines.base import (
+    EngineEvent,
+    FinishEvent,
+    PushSource,
+    TokenEvent,
+    is_push_source,
+)
 from quantroute.errors import EngineError
 from quantroute.routing.table import Branch
 
@@ -124,7 +130,7 @@ class Run:
     ) -> AsyncGenerator[list[tuple[int, EngineEvent]] | Tick, None]:
         """Like :meth:`events`, but each time every event that is ready, in order: one
         when the reader keeps up, more when it lags (so it can write them at once)."""
-        if all(isinstance(stream, PushSource) for stream in self._streams):
+        if all(is_push_source(stream) for stream in self._streams):
             return self._pushed(keepalive_s)
         return self._pumped(keepalive_s)
 
@@ -169,7 +175,7 @@ class Run:
         in its own task. No pump task and no buffer between the engine's reader and this
         one; a reader that lags leaves the events in the engine's inbox, where they pause
         the sequence in the worker past its high-water mark."""
-        streams = self._push = [s for s in self._streams if isinstance(s, PushSource)]
+        streams = self._push = [s for s in self._streams if is_push_source(s)]
         batch = self.take_pending()
         for stream in streams:
             stream.notify = self._wake
