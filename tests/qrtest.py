@@ -195,13 +195,13 @@ class StreamSource:
     its close and how many events it produced."""
 
     def __init__(self) -> None:
-        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[bytes | list[bytes] | None] = asyncio.Queue()
         self.closed = asyncio.Event()
         self.produced = 0
 
-    async def events(self) -> AsyncIterator[bytes]:
+    async def events(self) -> AsyncIterator[bytes | list[bytes]]:
         while (item := await self.queue.get()) is not None:
-            self.produced += 1
+            self.produced += 1 if isinstance(item, bytes) else len(item)
             yield item
 
     async def close(self) -> None:
@@ -210,6 +210,10 @@ class StreamSource:
     def put(self, *items: bytes) -> None:
         for item in items:
             self.queue.put_nowait(item)
+
+    def put_together(self, *items: bytes) -> None:
+        """Events produced in one step (a stream's last chunk, usage and ``[DONE]``)."""
+        self.queue.put_nowait(list(items))
 
     def finish(self) -> None:
         self.queue.put_nowait(None)

@@ -284,3 +284,30 @@ async def test_a_llamacpp_stream_goes_out_from_the_engines_reader_and_equals_the
         assert text == whole["choices"][index]["text"]
     ids = [int(x.rpartition("/")[2]) for x in lines if x.startswith("id: ")]
     assert ids == list(range(len(events) + 1))  # [DONE] too
+
+
+async def test_a_streams_end_goes_out_in_one_chunk() -> None:
+    """The last chunk (its finish reason), the usage and ``[DONE]`` come out of one producer
+    step and go out as one chunk of the response, one socket write, not three."""
+    body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 24, "stream": True}
+    body |= {"stream_options": {"include_usage": True}}
+    payload = json.dumps(body).encode()
+    app = fake_app()
+    for branch in app.state.gateway.routes.current.models["tiny-llama"].branches:
+        branch.engine.token_delay_s = 0.002  # the reader keeps up: its events go directly
+    async with live(app) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        writer.write(head + b"content-length: %d\r\n\r\n" % len(payload) + payload)
+        await writer.drain()
+        try:
+            chunks = _chunks(await _read_all(reader))
+        finally:
+            writer.close()
+    last = chunks[-1]  # (with the last token, where it came with the end)
+    assert last.count(b"id: ") >= 3 and last.endswith(b"data: [DONE]\n\n")
+    *_, finish, usage = (json.loads(x[6:]) for x in last.split(b"\n") if x.startswith(b"data: {"))
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert finish["usage"] is None and usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 24
+    assert len(chunks) > 10  # the tokens before it came one or a few a chunk

@@ -175,7 +175,7 @@ async def test_a_streams_first_token_is_rendered_before_any_task_runs() -> None:
     first, rest = payloads(run)
     assert len(first) == 1 and json.loads(first[0])["choices"][0]["text"] == engine.text[0]
     assert run._pending == [[]]  # taken: not read twice
-    after = [json.loads(data) for data in [d async for d in rest] if data != b"[DONE]"]
+    after = [json.loads(d) for d in [d async for ds in rest for d in ds] if d != b"[DONE]"]
     text = "".join(chunk["choices"][0]["text"] for chunk in after)
     assert text == engine.text[1:5] and after[-1]["choices"][0]["finish_reason"] == "length"
     assert run.usage_tokens == pending[0].prompt_tokens + 5  # counted once each

@@ -9,7 +9,7 @@ import gc
 import json
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
 
@@ -166,14 +166,22 @@ async def _streamed(
     store = StreamStore(settings)
     kept = store.open("k", "acme", rest, close=run.close, grace_s=0, first=first)
     appended_in: list[str] = []
-    append = kept.append
+    append, extend = kept.append, kept.extend
+
+    def task() -> str:
+        current = asyncio.current_task()
+        return current.get_name() if current else ""
 
     def spy(data: bytes) -> None:
-        task = asyncio.current_task()
-        appended_in.append(task.get_name() if task else "")
+        appended_in.append(task())
         append(data)
 
+    def spy_extend(datas: Sequence[bytes]) -> None:
+        appended_in.extend(task() for _ in datas)
+        extend(datas)
+
     kept.append = spy  # type: ignore[method-assign]
+    kept.extend = spy_extend  # type: ignore[method-assign]
     write_inline(run, renderer, kept)
     data: list[bytes] = []  # from the first event (the store holds `first` too)
     async for batch in kept.follow_batches(None, keepalive_s=30):
@@ -236,7 +244,7 @@ async def test_a_failing_inline_consumer_ends_the_stream_not_the_worker(
         raise RuntimeError("a bug in rendering")
 
     run.inline = broken
-    data = [d async for d in rest]
+    data = [d async for ds in rest for d in ds]
     assert b"internal error while streaming" in data[-1]
     assert outcome == [None] and engine.in_flight == 0  # cut: the generation was cancelled
     assert engine.ready and engine.pid == pid  # the worker's reader never saw it

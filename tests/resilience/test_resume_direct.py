@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 from qrtest import StreamSource as Source
 from quantroute.config import StreamSettings
@@ -14,21 +14,24 @@ from quantroute.resilience.resume import Stream, StreamStore
 
 
 class Writer:
-    """A direct writer that records what it wrote and in which task; ``refuse`` says no to
-    that many calls first."""
+    """A direct writer that records what it wrote (each event, and the seqs of each write)
+    and in which task; ``refuse`` says no to that many calls first."""
 
     def __init__(self, refuse: int = 0) -> None:
         self.refuse = refuse
         self.calls: list[tuple[int, bytes]] = []
         self.written: list[tuple[int, bytes]] = []
+        self.writes: list[list[int]] = []
         self.tasks: set[str] = set()
 
-    def __call__(self, seq: int, data: bytes) -> bool:
-        self.calls.append((seq, data))
+    def __call__(self, seq: int, datas: Sequence[bytes]) -> bool:
+        events = [(seq + i, data) for i, data in enumerate(datas)]
+        self.calls += events
         if self.refuse > 0:
             self.refuse -= 1
             return False
-        self.written.append((seq, data))
+        self.written += events
+        self.writes.append([s for s, _ in events])
         task = asyncio.current_task()
         self.tasks.add(task.get_name() if task is not None else "")
         return True
@@ -228,4 +231,49 @@ async def test_a_watcher_that_has_handed_out_nothing_yet_gets_its_first_event_ha
     assert writer.written == [(2, b"c")] and not parked.done()
     source.finish()
     assert await _rest(batches, parked) == []
+    await store.close()
+
+
+async def test_events_produced_together_are_written_together() -> None:
+    store = StreamStore(StreamSettings())
+    writer = Writer()
+    stream, source, batches = await _first_handed_out(store, writer)
+    parked = await _park(batches)
+    source.put(b"b")
+    source.put_together(b"c", b"d", b"e")  # a last chunk, the usage, [DONE]
+    await _settle()
+    assert writer.writes == [[1], [2, 3, 4]]
+    assert writer.written == [(1, b"b"), (2, b"c"), (3, b"d"), (4, b"e")]
+    assert stream.next_seq == 5 and not parked.done()
+    source.finish()
+    assert await _rest(batches, parked) == []
+    await store.close()
+
+
+async def test_events_produced_together_are_handed_out_together_when_not_written() -> None:
+    store = StreamStore(StreamSettings())
+    writer = Writer(refuse=1)
+    _stream, source, batches = await _first_handed_out(store, writer)
+    parked = await _park(batches)
+    source.put_together(b"b", b"c", b"d")  # refused, all three: none may overtake another
+    await _settle()
+    assert writer.calls == [(1, b"b"), (2, b"c"), (3, b"d")] and writer.written == []
+    assert await parked == [(1, b"b"), (2, b"c"), (3, b"d")]
+    source.finish()
+    assert await _rest(batches) == []
+    await store.close()
+
+
+async def test_events_produced_together_wait_for_room_one_by_one_at_the_windows_edge() -> None:
+    """Fourteen ahead at most: of four produced together past that, what fits goes, and
+    the rest as the reader moves on, none lost to the window."""
+    store = StreamStore(StreamSettings(max_events_per_stream=16))
+    stream, source = _open(store)
+    batches = stream.follow_batches(None, keepalive_s=5)  # no direct writer: reads in turn
+    source.put(*(b"%d" % i for i in range(12)))
+    source.put_together(b"12", b"13", b"14", b"15")
+    source.finish()
+    await _settle()
+    assert stream.next_seq == 14  # 0-13: the window's 14 ahead of a reader at 0; 14, 15 wait
+    assert await _rest(batches) == list(range(16))
     await store.close()

@@ -97,6 +97,11 @@ class Run:
         self._failed = False
         self._closed = False
 
+    @property
+    def finished(self) -> bool:
+        """Every choice has finished: the events read so far hold its last."""
+        return self._finished == len(self._streams)
+
     async def events(
         self, keepalive_s: float | None = None
     ) -> AsyncIterator[tuple[int, EngineEvent] | Tick]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 from starlette.responses import Response
@@ -38,7 +38,7 @@ RETRY_MS = 1000  # how long a client (EventSource) waits before reconnecting
 
 def payloads(
     run: Run, renderer: ResponseRenderer | None = None
-) -> tuple[list[bytes], AsyncIterator[bytes]]:
+) -> tuple[list[bytes], AsyncIterator[list[bytes]]]:
     """The data of each event of a streamed run: those ready now (the opening chunks and
     the first token, which the service read before committing), and the rest as they
     come: its chunks, then ``[DONE]`` or an error."""
@@ -51,18 +51,25 @@ def payloads(
     return first, _rest(run, renderer)
 
 
-async def _rest(run: Run, renderer: ResponseRenderer) -> AsyncIterator[bytes]:
+async def _rest(run: Run, renderer: ResponseRenderer) -> AsyncIterator[list[bytes]]:
+    """The chunks of each batch of events together; the last batch's with the usage and
+    ``[DONE]``, so that a stream's end is one write (``Stream.extend``)."""
+    last: list[bytes] = []
     try:
         async for batch in run.batches():
             if isinstance(batch, Tick):
                 continue
-            for data in _chunks(renderer, batch):
-                yield data
+            chunks = list(_chunks(renderer, batch))
+            if run.finished:  # its last events: the batches end here
+                last += chunks
+            elif chunks:
+                yield chunks
         if run.job.include_usage:
-            yield encode(renderer.usage_chunk())
-        yield DONE
+            last.append(encode(renderer.usage_chunk()))
+        last.append(DONE)
+        yield last
     except Exception as exc:
-        yield _error(run, exc)
+        yield [*last, _error(run, exc)]
 
 
 def write_inline(run: Run, renderer: ResponseRenderer, stream: Stream) -> None:
@@ -74,15 +81,14 @@ def write_inline(run: Run, renderer: ResponseRenderer, stream: Stream) -> None:
     def take(batch: list[tuple[int, EngineEvent]]) -> bool:
         if not stream.room_for(len(batch)):  # a chunk per event at most
             return False
-        for data in _chunks(renderer, batch):
-            stream.append(data)
+        stream.extend(list(_chunks(renderer, batch)))
         return True
 
     run.inline = take
 
 
-async def _failed(run: Run, exc: Exception) -> AsyncIterator[bytes]:
-    yield _error(run, exc)
+async def _failed(run: Run, exc: Exception) -> AsyncIterator[list[bytes]]:
+    yield [_error(run, exc)]
 
 
 def _error(run: Run, exc: Exception) -> bytes:
@@ -143,8 +149,10 @@ async def sse_stream(
     if direct is not None:
         body = direct
 
-        def write(seq: int, data: bytes) -> bool:
-            return body.write(pattern % (seq, data))
+        def write(seq: int, datas: Sequence[bytes]) -> bool:
+            if len(datas) == 1:
+                return body.write(pattern % (seq, datas[0]))
+            return body.write(b"".join([pattern % (seq + i, d) for i, d in enumerate(datas)]))
 
     try:
         async for batch in stream.follow_batches(after, keepalive_s, until=until, direct=write):

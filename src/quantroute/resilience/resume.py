@@ -41,7 +41,15 @@ import json
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from typing import Any
 
 from quantroute.config import StreamSettings
@@ -55,8 +63,9 @@ log = logging.getLogger(__name__)
 # that opened it) before it counts as left: a response that never starts frees its slot.
 ATTACH_S = 5.0
 
-DirectWrite = Callable[[int, bytes], bool]
-"""Writes event ``(seq, data)`` to a watcher's client now, or says it may not (``False``)."""
+DirectWrite = Callable[[int, Sequence[bytes]], bool]
+"""Writes events ``seq``, ``seq + 1``, ... (their data, in order) to a watcher's client now,
+in one write, or says it may not (``False``: none written)."""
 
 
 class ReaderStalledError(QuantrouteError):
@@ -172,12 +181,27 @@ class Stream:
         self._events.append(data)
         seq = self.next_seq
         self.next_seq = seq + 1
+        self._hand(seq, (data,))
+
+    def extend(self, datas: Sequence[bytes]) -> None:
+        """Append ``datas`` as that many events, at once: a watcher they are written to
+        where they are appended gets them in one write (a stream's last chunk, its usage
+        and ``[DONE]``). The caller makes room for all of them first (:meth:`room_for`)."""
+        if self.done or not datas:
+            return
+        self._events.extend(datas)
+        seq = self.next_seq
+        self.next_seq = seq + len(datas)
+        self._hand(seq, datas)
+
+    def _hand(self, seq: int, datas: Sequence[bytes]) -> None:
+        """Write the events from ``seq`` on for the parked direct watcher, or wake them."""
         direct = self._direct
         if direct is not None:
             write, cursor, parked = direct
-            # written here only when every event before it was: the order on the wire
-            if cursor[0] == seq and write(seq, data):
-                cursor[0] = seq + 1  # read: parked with it, this watcher is nobody's floor
+            # written here only when every event before them was: the order on the wire
+            if cursor[0] == seq and write(seq, datas):
+                cursor[0] = self.next_seq  # read: parked, this watcher is nobody's floor
                 self._written_at = time.monotonic()  # its keep-alive counts from here
                 waiters = self._waiters
                 if waiters and (len(waiters) > 1 or waiters[0] is not parked):
@@ -355,7 +379,7 @@ class StreamStore:
         self,
         key: str,
         owner: str,
-        source: AsyncIterator[bytes],
+        source: AsyncIterator[bytes | list[bytes]],
         *,
         close: Callable[[], Awaitable[None]],
         grace_s: float,
@@ -364,7 +388,9 @@ class StreamStore:
         stall_timeout_s: float | None = None,
     ) -> Stream:
         """Start producing ``source`` into a new stream, after the events ``first``;
-        ``close`` is awaited once when it ends, however it ends (it frees the generation)."""
+        ``close`` is awaited once when it ends, however it ends (it frees the generation).
+        ``source`` yields an event's data, or a list of events that came together (they go
+        out in one write where they can: :meth:`Stream.extend`)."""
         if key in self._streams:
             raise ValueError(f"stream {key} exists")
         while len(self._streams) >= self.settings.max_streams and self._finished:
@@ -424,15 +450,22 @@ class StreamStore:
 
     # -- inside ------------------------------------------------------------------
 
-    async def _produce(self, stream: Stream, source: AsyncIterator[bytes]) -> None:
+    async def _produce(self, stream: Stream, source: AsyncIterator[bytes | list[bytes]]) -> None:
         stream._started = True
         try:
             if stream._stopping:
                 raise asyncio.CancelledError
             async for data in source:
-                if stream.next_seq - stream._floor() >= stream._ahead:  # else room() is a no-op
-                    await stream.room()
-                stream.append(data)
+                if isinstance(data, bytes):
+                    if stream.next_seq - stream._floor() >= stream._ahead:  # else a no-op
+                        await stream.room()
+                    stream.append(data)
+                elif stream.room_for(len(data)):
+                    stream.extend(data)
+                else:  # near the window's edge: each waits for its room
+                    for one in data:
+                        await stream.room()
+                        stream.append(one)
         except asyncio.CancelledError:
             stream.append(CANCELLED)
             raise
