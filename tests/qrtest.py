@@ -40,9 +40,10 @@ def fake_table(engines: dict[str, Engine] | None = None, model: str = "tiny-llam
     return RouteTable.build([ModelRoute(model, "f16", tuple(branches))])
 
 
-def fake_app() -> FastAPI:
+def fake_app(**app: Any) -> FastAPI:
     """The real app over fake engines, with the admin key and small limits: fast enough for
-    the property and hostile-input tests to send it thousands of requests."""
+    the property and hostile-input tests to send it thousands of requests (``app``: more of
+    ``create_app``'s arguments)."""
     from quantroute.api.app import create_app
     from quantroute.config import load_settings
 
@@ -51,7 +52,7 @@ def fake_app() -> FastAPI:
         server={"admin_key": ADMIN_KEY, "max_body_bytes": 1 << 20},
         limits={"max_tokens": 64},
     )
-    return create_app(settings, fake_table())
+    return create_app(settings, fake_table(), **app)
 
 
 def demo_model_dir() -> Path:

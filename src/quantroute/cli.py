@@ -113,7 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     obs = settings.observability
     configure_logging(settings.server.log_level, obs.log_format)
-    app = create_app(settings)
+    app = create_app(settings, freeze_gc=True)  # this process is the app's
     # Chosen, not left to "auto": the streaming path's cost per token is measured on these
     # (benchmarks/bench_gateway.py); uvicorn[standard] installs both where they build.
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
