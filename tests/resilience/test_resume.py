@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
+import weakref
 from typing import Any
 
 import pytest
@@ -283,6 +285,28 @@ async def test_a_producer_cancelled_before_it_ran_still_closes() -> None:
     await _settle()
     assert stream.done
     await store.close()
+
+
+async def test_a_stream_whose_producer_was_cancelled_is_freed_once_forgotten() -> None:
+    """A producer cancelled (its client gone) ends holding its ``CancelledError``, whose
+    traceback holds the frame that holds the stream: the stream lets go of its ended
+    producer, so it is freed when the store forgets it, not at the collector's next pass."""
+    store = _store()
+    stream, source = _open(store, grace_s=0)
+    source.put(b"x")
+    await _settle()
+    gc.disable()  # only reference counting frees anything here
+    try:
+        stream.cancel()
+        await asyncio.wait_for(source.closed.wait(), 1)
+        await _settle()
+        assert stream.done
+        freed = weakref.ref(stream)
+        del stream
+        await store.close()  # forgets it
+        assert freed() is None
+    finally:
+        gc.enable()
 
 
 async def test_an_idle_follower_leaves_no_waiter_behind_each_keepalive() -> None:

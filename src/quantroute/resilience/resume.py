@@ -355,6 +355,12 @@ class Stream:
             self._reaper.cancel()
             self._reaper = None
 
+    def _produced(self, task: asyncio.Task[None]) -> None:
+        # forgotten once done: a producer cancelled (its client left) holds its error, whose
+        # traceback holds the frame that holds this stream, a cycle for the collector
+        if self._producer is task:
+            self._producer = None
+
     def cancel(self) -> None:
         """Stop the producer (its generation is closed; the stream ends with an error)."""
         if not self._started:
@@ -407,9 +413,11 @@ class StreamStore:
             stream.append(data)
         self._streams[key] = stream
         self._closers[key] = close
-        stream._producer = asyncio.get_running_loop().create_task(
+        producer = asyncio.get_running_loop().create_task(
             self._produce(stream, source), name=f"stream:{key}"
         )
+        stream._producer = producer
+        producer.add_done_callback(stream._produced)
         stream._arm(max(grace_s, ATTACH_S))
         return stream
 
