@@ -224,6 +224,7 @@ class Gateway:
         r = self.settings.repository
         if r.watch and self._given_table is None:
             self._spawn(watch_repository(self.settings.repo, self._watched, r.watch_debounce_ms))
+        self.observer.start()
         log.info("serving %s", ", ".join(b.id for b in branches if b.engine.ready) or "nothing")
         for b in branches:
             placement = self.occupancy.get(b.id)

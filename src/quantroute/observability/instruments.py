@@ -15,6 +15,7 @@ metric                                         type       labels
 ``quantroute_worker_restarts_total``           counter    model, branch
 ``quantroute_hot_reloads_total``               counter    outcome
 ``quantroute_prompt_cache_hit_tokens_total``   counter    model, branch
+``quantroute_gc_pause_seconds``                histogram  generation
 =============================================  =========  =================================
 
 ``status`` is the HTTP status of the answer (``200``, ``429``, ``503``...), ``499``
@@ -23,12 +24,16 @@ error after its first token. ``branch`` is the branch that answered, ``none``
 when none did. A fallback's ``to`` is ``none`` when no branch was left to try.
 The prompt-cache hit rate of a branch is
 ``rate(quantroute_prompt_cache_hit_tokens_total) / rate(quantroute_prompt_tokens_total)``.
+A garbage collection in the gateway's process stops its event loop, every stream with it:
+``quantroute_gc_pause_seconds`` times each (``generation`` 2 is a full one).
 """
 
 from __future__ import annotations
 
 import bisect
+import gc
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +45,7 @@ TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 DURATION_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+GC_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class TokenGaps(Collector):
@@ -88,6 +94,55 @@ class TokenGaps(Collector):
         yield family
 
 
+class GcPauses(Collector):
+    """The garbage collector's pauses in this process, by generation, timed by a
+    ``gc.callbacks`` hook while :meth:`install` ed.
+
+    Without a lock: the hook runs inside a collection, which may start in any thread at
+    any allocation, a scrape's own included (a lock held there would deadlock); the
+    collector's phases never interleave, and a scrape copies the counts as they are."""
+
+    name = "quantroute_gc_pause_seconds"
+
+    def __init__(self, bounds: tuple[float, ...] = GC_BUCKETS_S):
+        self.bounds = bounds
+        self._counts = [[0] * (len(bounds) + 1) for _ in range(3)]  # per generation
+        self._totals = [0.0, 0.0, 0.0]
+        self._started = 0.0
+
+    def install(self) -> None:
+        if self._hook not in gc.callbacks:
+            gc.callbacks.append(self._hook)
+
+    def uninstall(self) -> None:
+        if self._hook in gc.callbacks:
+            gc.callbacks.remove(self._hook)
+
+    def _hook(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._started
+        generation = info["generation"]
+        self._counts[generation][bisect.bisect_left(self.bounds, pause)] += 1
+        self._totals[generation] += pause
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(
+            self.name,
+            "Garbage collections in the gateway's process (each stops its event loop).",
+            labels=["generation"],
+        )
+        for generation in range(3):
+            counts, total = list(self._counts[generation]), self._totals[generation]
+            running, buckets = 0, []
+            for bound, count in zip((*self.bounds, float("inf")), counts, strict=True):
+                running += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
+            family.add_metric([str(generation)], buckets, total)
+        yield family
+
+
 class Instruments:
     """Every event-driven metric family, in a registry of their own (never the global one).
 
@@ -120,6 +175,8 @@ class Instruments:
         )
         self.token_gaps = TokenGaps()
         r.register(self.token_gaps)
+        self.gc_pauses = GcPauses()  # counting once the gateway starts (Observer.start)
+        r.register(self.gc_pauses)
         self.duration = Histogram(
             "quantroute_request_duration_seconds",
             "Request arrival to its last token or error.",

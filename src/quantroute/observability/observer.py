@@ -180,5 +180,10 @@ class Observer:
     def recent_json(self) -> dict[str, Any]:
         return self.recent.summary(time.time())
 
+    def start(self) -> None:
+        """Start what counts on its own (the collector's pauses)."""
+        self.instruments.gc_pauses.install()
+
     def shutdown(self) -> None:
+        self.instruments.gc_pauses.uninstall()
         self.tracing.shutdown()
