@@ -48,6 +48,15 @@ QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 GC_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
+def cumulative(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, int]]:
+    """A histogram's ``le`` buckets from counts per bucket (the last one for +Inf)."""
+    running, buckets = 0, []
+    for bound, count in zip((*bounds, float("inf")), counts, strict=True):
+        running += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
+    return buckets
+
+
 class TokenGaps(Collector):
     """The inter-token latency histogram, merged in per request.
 
@@ -86,11 +95,7 @@ class TokenGaps(Collector):
         with self._lock:
             series = [(k, list(c), t[0]) for k, (c, t) in self._series.items()]
         for (model, branch), counts, total in series:
-            running, buckets = 0, []
-            for bound, count in zip((*self.bounds, float("inf")), counts, strict=True):
-                running += count
-                buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
-            family.add_metric([model, branch], buckets, total)
+            family.add_metric([model, branch], cumulative(self.bounds, counts), total)
         yield family
 
 
@@ -135,11 +140,7 @@ class GcPauses(Collector):
         )
         for generation in range(3):
             counts, total = list(self._counts[generation]), self._totals[generation]
-            running, buckets = 0, []
-            for bound, count in zip((*self.bounds, float("inf")), counts, strict=True):
-                running += count
-                buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
-            family.add_metric([str(generation)], buckets, total)
+            family.add_metric([str(generation)], cumulative(self.bounds, counts), total)
         yield family
 
 

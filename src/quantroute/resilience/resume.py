@@ -355,11 +355,10 @@ class Stream:
             self._reaper.cancel()
             self._reaper = None
 
-    def _produced(self, task: asyncio.Task[None]) -> None:
+    def _produced(self, _task: asyncio.Task[None]) -> None:
         # forgotten once done: a producer cancelled (its client left) holds its error, whose
         # traceback holds the frame that holds this stream, a cycle for the collector
-        if self._producer is task:
-            self._producer = None
+        self._producer = None
 
     def cancel(self) -> None:
         """Stop the producer (its generation is closed; the stream ends with an error)."""
