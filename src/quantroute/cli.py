@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from quantroute.config import DEMO_REPO, Settings, load_settings
+from quantroute.config import DEMO_REPO, Settings, default_settings, load_settings
 from quantroute.errors import QuantrouteError
 from quantroute.repo_cli import add_commands as add_repository_commands
 from quantroute.types import Precision
@@ -72,7 +72,7 @@ def _flag_type(annotation: Any) -> Callable[[str], Any]:
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("settings (also QUANTROUTE_* variables or --config FILE)")
-    defaults = Settings.model_validate({})  # what a fresh server has: no environment, no file
+    defaults = default_settings()  # what a fresh server has: no environment, no file
     for path, info in _leaf_fields(Settings):
         flags = ["--" + path.replace(".", "-").replace("_", "-")]
         if path in _SHORT:

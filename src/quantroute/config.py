@@ -82,6 +82,19 @@ class ServerSettings(BaseModel):
         description="A read-only Bearer key for what auth.protect_metrics protects (a "
         "scraper's); the admin key opens the same.",
     )
+    allowed_hosts: list[str] | None = Field(
+        None,
+        max_length=256,
+        description="Host header names the server answers (a leading '*.' matches any "
+        "subdomain, '*' any host; a port is ignored); others get 400. Unset: in open mode "
+        "(no keys) only loopback names (localhost, 127.0.0.1, [::1]), against DNS rebinding; "
+        "with keys, any.",
+    )
+    docs: bool = Field(
+        False,
+        description="Serve the OpenAPI schema (/openapi.json) and its reference page (/docs), "
+        "without third-party scripts; off by default.",
+    )
 
 
 class LimitSettings(BaseModel):
@@ -104,6 +117,19 @@ class LimitSettings(BaseModel):
         1 << 24,
         ge=1024,
         description="Longest prompt a chat template may render (and a cap on what it builds).",
+    )
+    template_max_bytes: int = Field(
+        1 << 26,
+        ge=1 << 16,
+        description="Memory a chat template's render may take, in bytes (its process's "
+        "address-space growth); past it the request is a 400.",
+    )
+    compile_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        le=60,
+        description="Longest a request's schema, pattern or tool grammar may take to check "
+        "and compile (off the event loop); past it the request is a 400 naming the field.",
     )
 
 
@@ -420,6 +446,12 @@ class StreamSettings(BaseModel):
         description="How long a resumable stream keeps generating after its last client left; "
         "if nobody reconnects in time it is cancelled (0: at once).",
     )
+    max_bytes: int = Field(
+        256 << 20,
+        ge=1 << 20,
+        description="Bytes of events kept across all streams at most; over it the oldest "
+        "finished streams go first, then the oldest events of live ones.",
+    )
     resumable_by_default: bool = Field(
         False,
         description="Every stream is resumable; otherwise only those sent with "
@@ -718,6 +750,13 @@ class ObservabilitySettings(BaseModel):
     recent_decisions: int = Field(
         512, ge=1, le=65536, description="Routing decisions kept for the status page."
     )
+    loop_lag_interval_s: float = Field(
+        0.01,
+        gt=0,
+        le=10,
+        description="How often the event loop's lag is sampled "
+        "(quantroute_event_loop_lag_seconds).",
+    )
 
 
 class RepositorySettings(_Frozen):
@@ -757,6 +796,11 @@ class RepositorySettings(_Frozen):
     )
     check_memory_bytes: int = Field(
         1 << 30, ge=64 << 20, description="Address-space limit of the GGUF-checking child."
+    )
+    follow_links: bool = Field(
+        False,
+        description="Follow a symbolic link (a branch's file or folder) that leads out of its "
+        "model's folder; off: such a file fails its branch.",
     )
 
 
@@ -811,10 +855,47 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     try:
         return _FileSettings(**overrides)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        message = str(first["msg"]).removeprefix("Value error, ")
-        raise ConfigError(f"setting {where}: {message}", param=where) from exc
+        raise _config_error(exc) from exc
+    except ValueError as exc:  # pydantic-settings' SettingsError: a variable it can't decode
+        raise ConfigError(f"settings: {exc}".split("\n", 1)[0]) from exc
+
+
+def default_settings() -> Settings:
+    """What a fresh server has: the defaults alone, no environment and no file (the
+    defaults ``--help`` and docs/configuration.md show)."""
+
+    class _Defaults(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings,)
+
+    return _Defaults()  # type: ignore[call-arg]  # every field has its default
+
+
+def _config_error(exc: ValidationError) -> ConfigError:
+    """A settings error in one line: the setting (and its variable), what is wrong, and
+    what it accepts (a section's names for an unknown key)."""
+    first = exc.errors()[0]
+    loc = [str(p) for p in first["loc"]]
+    where = ".".join(loc)
+    variable = ENV_PREFIX + "__".join(loc).upper()
+    message = str(first["msg"]).removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        section: Any = Settings
+        for part in loc[:-1]:
+            fields = getattr(section, "model_fields", {})
+            section = fields[part].annotation if part in fields else None
+        if isinstance(section, type) and issubclass(section, BaseModel):
+            names = ", ".join(sorted(section.model_fields))
+            message = f"no such setting; accepted: {names}"
+    return ConfigError(f"setting {where} ({variable} or the config file): {message}", param=where)
 
 
 def _check_environment(environ: Mapping[str, str]) -> None:
@@ -836,3 +917,14 @@ def _check_environment(environ: Mapping[str, str]) -> None:
             meant = f"{ENV_PREFIX}{root.upper()}__{tail.upper()}"
             hint = f" (nested names are joined with __: {meant}?)" if section and tail else ""
             raise ConfigError(f"unknown setting in the environment: {name}{hint}", param=name)
+
+
+OTEL_PREFIX = "OTEL_"
+
+
+def otel_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The standard OpenTelemetry variables (``OTEL_*``) as set, for
+    :mod:`quantroute.observability.otel` to resolve against ``observability.*``: the one
+    other place the environment speaks to quantroute, read here like every setting."""
+    source = os.environ if environ is None else environ
+    return {k: v for k, v in source.items() if k.startswith(OTEL_PREFIX)}

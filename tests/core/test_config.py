@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -122,3 +123,39 @@ def test_every_settings_section_refuses_a_misspelled_key() -> None:
     for name in sections:
         with pytest.raises(ConfigError):
             load_settings(**{name: {"no_such_setting_xyz": True}})
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("QUANTROUTE_SERVER__GRPC_PORT", "1", "no such setting; accepted: admin_key, allowed_"),
+        ("QUANTROUTE_SERVER__PORT", "abc", "valid integer"),
+        ("QUANTROUTE_SERVER__LOG_LEVEL", "loud", "'debug', 'info', 'warning' or 'error'"),
+        ("QUANTROUTE_TELEMETRY__CPU_AFFINITY", "[[", "telemetry.cpu_affinity"),
+    ],
+)
+def test_a_bad_setting_stops_serve_with_one_line_naming_it(
+    variable: str, value: str, says: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """Not a pydantic traceback: ``quantroute serve`` prints one line naming the setting,
+    its variable and what it accepts, and exits 2 before anything starts."""
+    from quantroute.cli import main
+
+    monkeypatch.setenv(variable, value)
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert err.startswith("quantroute: ")
+    assert variable in err or "telemetry.cpu_affinity" in err
+    assert says in err
+
+
+def test_a_wrong_type_in_the_config_file_is_one_line(tmp_path: Path, capsys: Any) -> None:
+    from quantroute.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("server:\n  port: eighty\n")
+    assert main(["serve", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("quantroute: setting server.port (") and "\n" not in err
+    assert "valid integer" in err

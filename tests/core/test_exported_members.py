@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from quantroute.cli import _leaf_fields
-from quantroute.config import Settings
+from quantroute.config import Settings, default_settings
 
 PACKAGES = [
     "quantroute.api",
@@ -44,7 +44,7 @@ def test_configuration_doc_lists_every_setting_with_its_default() -> None:
     shown = dict(
         re.findall(r"^\| `([a-z0-9_.]+)` \| `--[^`]*` \| `QUANTROUTE_\w*` \| (.*?) \|", doc, re.M)
     )
-    defaults = Settings.model_validate({})  # no environment, no file
+    defaults = default_settings()  # no environment, no file
     for path, _ in _leaf_fields(Settings):
         assert path in shown, path
         value = functools.reduce(getattr, path.split("."), defaults)

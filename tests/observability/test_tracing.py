@@ -1,20 +1,15 @@
 """OpenTelemetry spans of real requests: an in-memory exporter for their shape and
-attributes, the SDK's OTLP/HTTP exporter against an in-test OTLP receiver, and a real
-llama.cpp worker's decode span. Tracing off sends no context to the engines."""
+attributes, the SDK's OTLP/HTTP exporter against an in-test OTLP receiver (tests/otlp.py),
+and a real llama.cpp worker's decode span. Tracing off sends no context to the engines."""
 
 from __future__ import annotations
 
-import contextlib
-import http.server
-import threading
-from collections.abc import Iterator
-
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from otlp import exported, otlp_receiver
 from qrtest import ADMIN_KEY, demo_model_dir, fake_table, serving
 from quantroute.api.app import create_app
 from quantroute.config import load_settings
@@ -127,60 +122,9 @@ async def test_tracing_off_builds_no_spans_and_carries_nothing() -> None:
     assert engine.requests[-1].trace_context == ()
 
 
-class _Receiver(http.server.BaseHTTPRequestHandler):
-    """An OTLP/HTTP traces endpoint: keeps each export's protobuf body."""
-
-    bodies: list[bytes]
-
-    def do_POST(self) -> None:
-        length = int(self.headers["content-length"])
-        self.bodies.append(self.rfile.read(length))
-        assert self.path == "/v1/traces"
-        assert self.headers["content-type"] == "application/x-protobuf"
-        self.send_response(200)
-        self.send_header("content-type", "application/x-protobuf")
-        self.send_header("content-length", "0")
-        self.end_headers()
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def _otlp_receiver() -> Iterator[tuple[str, list[bytes]]]:
-    bodies: list[bytes] = []
-    handler = type("Handler", (_Receiver,), {"bodies": bodies})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1/traces", bodies
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def _exported(bodies: list[bytes]) -> dict[str, dict[str, object]]:
-    """Span name → its attributes (the last of that name), from every export."""
-    spans: dict[str, dict[str, object]] = {}
-    for body in bodies:
-        request = ExportTraceServiceRequest.FromString(body)
-        for resource in request.resource_spans:
-            service = {a.key: a.value.string_value for a in resource.resource.attributes}
-            assert service["service.name"] == "qr-test"
-            for scope in resource.scope_spans:
-                for span in scope.spans:
-                    attrs: dict[str, object] = {}
-                    for a in span.attributes:
-                        v = a.value
-                        attrs[a.key] = getattr(v, v.WhichOneof("value"))
-                    attrs["_trace_id"] = span.trace_id.hex()
-                    spans[span.name] = attrs
-    return spans
-
-
 async def test_spans_reach_an_otlp_http_receiver_with_their_attributes() -> None:
-    with _otlp_receiver() as (endpoint, bodies):
+    with otlp_receiver() as (base, received):
+        endpoint = f"{base}/v1/traces"
         app = _app({"q4_k_m": FakeEngine()}, otlp_endpoint=endpoint, service_name="qr-test")
         async with serving(app) as (client, _):
             r = await client.post(
@@ -188,7 +132,9 @@ async def test_spans_reach_an_otlp_http_receiver_with_their_attributes() -> None
             )
             assert r.status_code == 200
         # the lifespan's end flushed the batch
-        spans = _exported(bodies)
+        resource, spans = exported(received.bodies)
+    assert resource["service.name"] == "qr-test"
+    assert set(received.paths) == {"/v1/traces"}
     root = spans["chat tiny-llama"]
     assert root["_trace_id"] == TRACE_ID
     assert root["gen_ai.request.model"] == "tiny-llama"

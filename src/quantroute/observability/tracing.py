@@ -1,10 +1,12 @@
-"""OpenTelemetry traces: an OTLP/HTTP exporter when an endpoint is configured, else off.
+"""OpenTelemetry traces: an OTLP exporter when an endpoint is configured, else off.
 
+The endpoint, protocol, headers, resource and sampler come from
+``observability.*`` and the standard ``OTEL_*`` variables (:mod:`.otel`).
 Off is a :class:`Tracing` whose ``tracer`` is ``None``: the SDK is never
 imported and every request hook checks one attribute. On, the provider is
 this object's own (the process-wide global provider is left alone), sampling
-is parent-based (a client's ``traceparent`` decides for its own trace; new
-traces are kept at ``sample_ratio``), and spans leave in batches.
+is parent-based by default (a client's ``traceparent`` decides for its own
+trace; new traces are kept at ``sample_ratio``), and spans leave in batches.
 
 Context crosses processes as W3C ``traceparent`` / ``tracestate`` and
 ``baggage`` headers: :meth:`extract` reads a client's, :meth:`inject` writes
@@ -21,10 +23,14 @@ from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from quantroute.config import otel_environment
+from quantroute.observability.otel import GRPC, resolve
+
 if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.sdk.trace.sampling import Sampler
     from opentelemetry.trace import Tracer
 
     from quantroute.config import ObservabilitySettings
@@ -48,6 +54,8 @@ class Tracing:
         service_name: str = "quantroute",
         sample_ratio: float = 1.0,
         batch: bool = True,
+        sampler: Sampler | None = None,
+        resource: Mapping[str, str] | None = None,
     ):
         self.tracer: Tracer | None = None
         self._provider: TracerProvider | None = None
@@ -59,24 +67,39 @@ class Tracing:
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
         self._provider = TracerProvider(
-            resource=Resource.create({"service.name": service_name}),
-            sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
+            resource=Resource.create({**(resource or {}), "service.name": service_name}),
+            sampler=sampler or ParentBased(TraceIdRatioBased(sample_ratio)),
         )
         processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
         self._provider.add_span_processor(processor)
         self.tracer = self._provider.get_tracer("quantroute")
 
     @classmethod
-    def from_settings(cls, settings: ObservabilitySettings) -> Tracing:
-        if not settings.otlp_endpoint:
+    def from_settings(
+        cls, settings: ObservabilitySettings, env: Mapping[str, str] | None = None
+    ) -> Tracing:
+        """Tracing as ``settings`` and the ``OTEL_*`` variables (``env``, else the
+        process's) say (:func:`quantroute.observability.otel.resolve`)."""
+        export = resolve(settings, otel_environment() if env is None else env)
+        if export.endpoint is None:
             return cls()
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        exporter: SpanExporter
+        if export.protocol == GRPC:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[import-not-found]
+                OTLPSpanExporter as GrpcExporter,
+            )
 
-        log.info("tracing: OTLP/HTTP to %s", settings.otlp_endpoint)
+            exporter = GrpcExporter(endpoint=export.endpoint, headers=export.headers)
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            exporter = OTLPSpanExporter(endpoint=export.endpoint, headers=dict(export.headers))
+        log.info("tracing: OTLP (%s) to %s", export.protocol, export.endpoint)
         return cls(
-            OTLPSpanExporter(endpoint=settings.otlp_endpoint),
-            service_name=settings.service_name,
-            sample_ratio=settings.sample_ratio,
+            exporter,
+            service_name=export.service_name,
+            sampler=export.make_sampler(),
+            resource=dict(export.resource),
         )
 
     @property
