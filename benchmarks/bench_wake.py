@@ -198,7 +198,7 @@ def first_token_path(prefill_ms: float, requests: int, rounds: int) -> dict[str,
         "raw_path": b"/v1/completions",
         "query_string": b"",
         "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"bench")],
+        "headers": [(b"content-type", b"application/json"), (b"host", b"localhost")],
         "client": ("127.0.0.1", 1),
         "server": ("127.0.0.1", 8000),
     }

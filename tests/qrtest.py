@@ -75,7 +75,8 @@ async def serving(app: FastAPI) -> AsyncIterator[tuple[httpx.AsyncClient, Gatewa
     (ASGI transports deliver a streamed response whole: stream timing needs e2e.)"""
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://qr", timeout=60) as c:
+        base = "http://localhost"  # a loopback name: an open API answers no other Host
+        async with httpx.AsyncClient(transport=transport, base_url=base, timeout=60) as c:
             yield c, app.state.gateway
 
 

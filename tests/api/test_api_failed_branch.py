@@ -115,7 +115,7 @@ async def test_an_operator_restarts_a_failed_branch_with_the_admin_key(
     client, gateway = server
     await _until_failed(client, "q8_0")
     path = "/admin/branches/tiny-llama:q8_0/restart"
-    assert (await client.post(path)).status_code == 401
+    assert (await client.post(path, json={})).status_code == 401
     wrong = await client.post(path, headers={"authorization": "Bearer nope"})
     assert wrong.status_code == 401 and "nope" not in wrong.text
     model_only = await client.post("/admin/branches/tiny-llama/restart", headers=ADMIN)

@@ -230,11 +230,11 @@ async def test_admin_reload_is_closed_without_an_admin_key(tmp_path: Path) -> No
         update={"server": settings_for(repo).server.model_copy(update={"admin_key": None})}
     )
     async with serving(create_app(open_settings)) as (client, _gateway):
-        r = await client.post("/admin/reload")
+        r = await client.post("/admin/reload", json={})
         assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
         assert (await client.get("/admin/status")).status_code == 403
     async with serving(create_app(settings_for(repo))) as (client, _gateway):
-        assert (await client.post("/admin/reload")).status_code == 401
+        assert (await client.post("/admin/reload", json={})).status_code == 401
         bad = {"authorization": "Bearer nope"}
         assert (await client.post("/admin/reload", headers=bad)).status_code == 401
         r = await client.post("/admin/reload", headers=ADMIN)

@@ -17,9 +17,12 @@ from quantroute.engines.fake import FakeEngine
 BODY = {"model": "tiny-llama:q8_0", "prompt": "def ", "max_tokens": 64, "stream": True}
 
 
-async def _first_event(http: httpx.AsyncClient, path: str, hold: asyncio.Event) -> int:
-    """Resume ``path``; on a 200, read one event and hold the stream until ``hold``."""
-    async with http.stream("GET", path) as r:
+async def _first_event(
+    http: httpx.AsyncClient, path: str, hold: asyncio.Event, token: dict[str, str]
+) -> int:
+    """Resume ``path`` (with the stream's ``token`` header: the API is open); on a 200,
+    read one event and hold the stream until ``hold``."""
+    async with http.stream("GET", path, headers=token) as r:
         if r.status_code != 200:
             await r.aread()
             error = r.json()["error"]
@@ -45,9 +48,12 @@ async def test_a_burst_of_resumes_gets_the_room_left_and_the_rest_a_429() -> Non
             async with http.stream("POST", "/v1/completions", json=BODY, headers=headers) as r:
                 assert r.status_code == 200
                 job = r.headers["x-request-id"]
+                token = {"x-quantroute-stream-token": r.headers["x-quantroute-stream-token"]}
                 hold = asyncio.Event()
                 path = f"/v1/streams/{job}"
-                burst = [asyncio.create_task(_first_event(http, path, hold)) for _ in range(9)]
+                burst = [
+                    asyncio.create_task(_first_event(http, path, hold, token)) for _ in range(9)
+                ]
                 refused: list[int] = []
                 reading = set(burst)
                 while len(refused) < 6:
@@ -62,7 +68,7 @@ async def test_a_burst_of_resumes_gets_the_room_left_and_the_rest_a_429() -> Non
                 hold.set()
                 assert sorted(await asyncio.gather(*burst)) == [200] * 3 + [429] * 6
                 await asyncio.sleep(0.2)  # the three closed: room for three again
-                again = await http.get(path, headers={"last-event-id": f"{job}/0"})
+                again = await http.get(path, headers=token | {"last-event-id": f"{job}/0"})
                 assert again.status_code == 200  # read to the end: the stream finished
                 lines = [ln for ln in again.text.splitlines() if ln.startswith("data: ")]
                 assert lines[-1] == "data: [DONE]" and json.loads(lines[0][6:])["id"]

@@ -275,7 +275,9 @@ async def test_schemas_that_stalled_or_broke_a_worker_are_a_fast_400(
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     start = asyncio.get_running_loop().time()
     r = await client.post(
-        "/v1/chat/completions", content=json.dumps(CHAT | {"response_format": fmt})
+        "/v1/chat/completions",
+        content=json.dumps(CHAT | {"response_format": fmt}),
+        headers={"content-type": "application/json"},
     )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith("response_format")

@@ -222,7 +222,7 @@ BAD_REQUESTS = [
         "/v1/completions",
         {"model": "tiny-llama", "prompt": "x", "unknown_knob": 1},
         400,
-        None,
+        "unknown_knob",  # a plain name is named, as OpenAI names it; its value never
         None,
     ),
     ("/v1/chat/completions", {"model": "tiny-llama", "messages": []}, 400, "messages", None),

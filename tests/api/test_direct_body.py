@@ -26,6 +26,7 @@ LAYERS = [
     "starlette.middleware.errors.ServerErrorMiddleware",  # notes that a response started
     "fastapi.telemetry._asgi.ExceptionTelemetryMiddleware",  # exceptions only (off)
     "fastapi._body_limit.AppBodyLimitMiddleware",  # the request's body
+    "quantroute.api.gate.RequestGate",  # the request's head; its own answer, whole
     "quantroute.api.body_limit.BodyLimitMiddleware",  # the request's body
     "quantroute.api.errors.InternalErrorMiddleware",  # notes that a response started
     "quantroute.api.routes.GenerationRoutes",
@@ -297,7 +298,8 @@ async def test_a_streams_end_goes_out_in_one_chunk() -> None:
         branch.engine.token_delay_s = 0.002  # the reader keeps up: its events go directly
     async with live(app) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: localhost\r\n"
+        head += b"content-type: application/json\r\n"
         writer.write(head + b"content-length: %d\r\n\r\n" % len(payload) + payload)
         await writer.drain()
         try:

@@ -1,7 +1,9 @@
 """The generation endpoints are one ASGI layer in front of FastAPI's router
 (``routes.GenerationRoutes``): the same answers as a route, over real sockets: the
-key before the body, the body as JSON whatever its declared type, the schema's errors,
-the body limit, a 405 naming the method, and an unexpected error as a 500 body."""
+key before the body, the body as JSON whatever its declared type (with an
+``Authorization`` header; without one a POST must say JSON: ``api/gate.py``), the
+schema's errors, the body limit, a 405 naming the method, and an unexpected error as a
+500 body."""
 
 from __future__ import annotations
 
@@ -16,11 +18,14 @@ from quantroute.config import load_settings
 KEY = "sk-acme-generation"
 BODY = b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}'
 PATHS = ("/v1/completions", "/v1/chat/completions")
+JSON = {"content-type": "application/json"}
 
 
 @pytest.mark.parametrize("content_type", [None, "application/json", "text/plain"])
 async def test_a_body_is_json_whatever_type_it_says(content_type: str | None) -> None:
-    headers = {} if content_type is None else {"content-type": content_type}
+    headers = {"authorization": "Bearer any"}  # no key: a POST must say JSON (test_sec_net_gate)
+    if content_type is not None:
+        headers["content-type"] = content_type
     async with serving(fake_app()) as (http, _):
         r = await http.post("/v1/completions", content=BODY, headers=headers)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
@@ -79,7 +84,7 @@ async def test_the_key_is_checked_before_the_body_is_read(tmp_path: Path) -> Non
     )
     async with serving(create_app(settings, fake_table())) as (http, _):
         for raw in (b"{bad", BODY):
-            r = await http.post("/v1/completions", content=raw)
+            r = await http.post("/v1/completions", content=raw, headers=JSON)
             assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
         auth = {"authorization": f"Bearer {KEY}"}
         r = await http.post("/v1/completions", content=b"{bad", headers=auth)
@@ -93,7 +98,8 @@ async def test_the_body_limit_and_the_internal_error_answer_apply_to_it(
 ) -> None:
     settings = load_settings(telemetry={"devices": "sim:1x24GiB"}, server={"max_body_bytes": 1024})
     async with serving(create_app(settings, fake_table())) as (http, _):
-        r = await http.post("/v1/completions", content=b'{"prompt": "' + b"x" * 2000 + b'"}')
+        big = b'{"prompt": "' + b"x" * 2000 + b'"}'
+        r = await http.post("/v1/completions", content=big, headers=JSON)
         assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
     from quantroute.api import routes
 
@@ -102,7 +108,7 @@ async def test_the_body_limit_and_the_internal_error_answer_apply_to_it(
 
     monkeypatch.setattr(routes, "_respond", broken)
     async with serving(fake_app()) as (http, _):
-        r = await http.post("/v1/completions", content=BODY)
+        r = await http.post("/v1/completions", content=BODY, headers=JSON)
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
         assert "a bug" not in r.text
         assert (await http.get("/healthz")).status_code == 200  # the server still answers

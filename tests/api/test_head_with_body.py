@@ -18,7 +18,10 @@ from quantroute.api.app import HeadWithBody
 
 def _request(body: dict[str, object]) -> bytes:
     raw = json.dumps(body).encode()
-    head = f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {len(raw)}\r\n\r\n"
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(raw)}\r\n\r\n"
+    )
     return head.encode() + raw
 
 

@@ -28,6 +28,7 @@ from quantroute.errors import InvalidRequestError
 in_module_loop = pytest.mark.asyncio(loop_scope="module")  # the async tests share the app
 
 M = "ZQXMARKER7731"
+K = f"{M}-key"  # an unknown key no field could be named: never said back
 CHAT: dict[str, Any] = {
     "model": "tiny-llama",
     "messages": [{"role": "user", "content": "hi"}],
@@ -69,13 +70,42 @@ async def refused(client: httpx.AsyncClient, path: str, body: Any) -> dict[str, 
         ("/v1/route/explain", CHAT),
     ],
 )
-@pytest.mark.parametrize("key", [M, f"x{M}", f"<b>{M}</b>"])
-async def test_an_unknown_top_level_field_is_not_named(
+@pytest.mark.parametrize("key", [K, f"x {M}", f"<b>{M}</b>", "x" * 65 + M])
+async def test_an_unknown_top_level_field_that_no_field_could_be_called_is_not_named(
     client: httpx.AsyncClient, path: str, body: dict[str, Any], key: str
 ) -> None:
     error = await refused(client, path, body | {key: 1})
     assert error["param"] is None
     assert "not a parameter of this endpoint" in error["message"]
+
+
+@in_module_loop
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", COMPLETION | {"frobnicate": 1}, "frobnicate"),
+        ("/v1/chat/completions", CHAT | {"colour_2": "x"}, "colour_2"),
+        (
+            "/v1/chat/completions",
+            CHAT | {"messages": [{"role": "user", "content": "hi", "mood": 1}]},
+            "messages.0.mood",
+        ),
+        (
+            "/v1/completions",
+            COMPLETION | {"stream_options": {"model": "x"}},
+            "stream_options.model",
+        ),
+    ],
+)
+async def test_an_unknown_field_with_a_plain_name_is_named_as_openai_names_it(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], param: str
+) -> None:
+    r = await client.post(path, json=body)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == param
+    assert error["message"].startswith(f"{param}: not a parameter of ")
+    assert '"x"' not in r.text  # the value is never said
 
 
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "n", "schema": {}}}
@@ -87,33 +117,33 @@ SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
     [
         (
             "/v1/completions",
-            COMPLETION | {"stream": True, "stream_options": {M: True}},
+            COMPLETION | {"stream": True, "stream_options": {K: True}},
             "stream_options",
         ),
         (
             "/v1/chat/completions",
-            CHAT | {"messages": [{"role": "user", "content": "hi", M: 1}]},
+            CHAT | {"messages": [{"role": "user", "content": "hi", K: 1}]},
             "messages.0",
         ),
         (
             "/v1/chat/completions",
-            CHAT | {"tools": [{"type": "function", "function": {"name": "f", M: 1}}]},
+            CHAT | {"tools": [{"type": "function", "function": {"name": "f", K: 1}}]},
             "tools.0.function",
         ),
         (
             "/v1/completions",
-            COMPLETION | {"response_format": {"type": "text", M: 1}},
+            COMPLETION | {"response_format": {"type": "text", K: 1}},
             "response_format",
         ),
         (
             "/v1/completions",
             COMPLETION
-            | {"response_format": {"type": "json_schema", "json_schema": {"name": "n", M: 1}}},
+            | {"response_format": {"type": "json_schema", "json_schema": {"name": "n", K: 1}}},
             "response_format.json_schema",
         ),
         (
             "/v1/completions",
-            COMPLETION | {"response_format": SCHEMA_FORMAT | {M: 1}},
+            COMPLETION | {"response_format": SCHEMA_FORMAT | {K: 1}},
             "response_format",
         ),
     ],
@@ -131,10 +161,10 @@ async def test_an_unknown_nested_field_names_where_it_is_not_what(
 async def test_a_known_field_in_the_wrong_place_is_not_named_either(
     client: httpx.AsyncClient,
 ) -> None:
-    """``stream_options.model`` is no echo, but the rule is one: the key is not named."""
+    """``stream_options.model``: a plain name, named where it is."""
     body = COMPLETION | {"stream": True, "stream_options": {"model": "x"}}
     error = await refused(client, "/v1/completions", body)
-    assert error["param"] == "stream_options"
+    assert error["param"] == "stream_options.model"
 
 
 # ---- the response_format tag, and other values pydantic's messages quote -----------------
@@ -294,9 +324,11 @@ def test_a_message_whose_context_holds_the_input_is_not_passed_on() -> None:
 
 
 def test_an_unknown_field_deep_in_a_path_stops_at_the_last_named_part() -> None:
-    error = {"type": "extra_forbidden", "loc": ("body", "a", 0, "b", M), "msg": "Extra inputs"}
+    error = {"type": "extra_forbidden", "loc": ("body", "a", 0, "b", K), "msg": "Extra inputs"}
     err = _rendered(error)
     assert err.param == "a.0.b" and M not in err.message
     assert err.message == "a.0.b: has a field that it does not take"
-    top = _rendered({"type": "extra_forbidden", "loc": ("body", M), "msg": "Extra inputs"})
+    top = _rendered({"type": "extra_forbidden", "loc": ("body", K), "msg": "Extra inputs"})
     assert top.param is None and M not in top.message
+    named = _rendered({"type": "extra_forbidden", "loc": ("body", "a", 0, "b"), "msg": "Extra"})
+    assert named.param == "a.0.b" and named.message == "a.0.b: not a parameter of a.0"

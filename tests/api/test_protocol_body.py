@@ -29,16 +29,16 @@ def _bounded(app: object) -> Any:
 
 def _post(length: int, path: bytes = b"/v1/completions") -> bytes:
     return (
-        b"POST %b HTTP/1.1\r\nhost: a\r\ncontent-type: application/json\r\n"
+        b"POST %b HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
         b"content-length: %d\r\n\r\n" % (path, length)
     )
 
 
 _CHUNKED = (
-    b"POST /v1/completions HTTP/1.1\r\nhost: a\r\ncontent-type: application/json\r\n"
+    b"POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
     b"transfer-encoding: chunked\r\n\r\n"
 )
-_GET = b"GET /healthz HTTP/1.1\r\nhost: a\r\n\r\n"
+_GET = b"GET /healthz HTTP/1.1\r\nhost: localhost\r\n\r\n"
 
 
 async def _response(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, bytes], bytes]:
@@ -266,7 +266,7 @@ async def test_a_pipelined_request_is_timed_from_when_it_starts() -> None:
 
     async with _bounded(app) as port, _connection(port) as (reader, writer):
         # the second request behind the first, in one segment, its body short
-        writer.write(b"GET /slow HTTP/1.1\r\nhost: a\r\n\r\n" + _post(10, b"/") + b"abc")
+        writer.write(b"GET /slow HTTP/1.1\r\nhost: localhost\r\n\r\n" + _post(10, b"/") + b"abc")
         status, _, body = await _response(reader)  # whole: no 408 in the middle of it
         assert status == 200 and body == b"aaaa"
         await _assert_408(reader, time.monotonic())

@@ -108,7 +108,7 @@ class Conn:
 
     def request(self, method: str, path: str, body: Any = None, **headers: str) -> None:
         data = json.dumps(body).encode() if body is not None else b""
-        head = [f"{method} {path} HTTP/1.1", "host: chaos", f"content-length: {len(data)}"]
+        head = [f"{method} {path} HTTP/1.1", "host: localhost", f"content-length: {len(data)}"]
         head += ["content-type: application/json"] * (body is not None)
         head += [f"{k.replace('_', '-')}: {v}" for k, v in headers.items()]
         self.writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + data)
@@ -212,6 +212,7 @@ async def play(
         await conn.head(first)
         assert first.status == 200, first.headers
         job = first.headers["x-request-id"]
+        token = first.headers["x-quantroute-stream-token"]  # a resume shows it (open API)
         stats[kind] += 1
 
         if kind == "leave":  # a few events, then gone for good
@@ -228,7 +229,9 @@ async def play(
                 conns.append(conn)
                 await conn.open()
                 last = reads[-1].events[-1].id or ""
-                conn.request("GET", f"/v1/streams/{job}", last_event_id=last)
+                conn.request(
+                    "GET", f"/v1/streams/{job}", last_event_id=last, x_quantroute_stream_token=token
+                )
                 again = Read()
                 await conn.head(again)
                 assert again.status == 200, again.headers
@@ -242,7 +245,7 @@ async def play(
             other = Conn(port, rng, slow=False)
             conns.append(other)
             await other.open()
-            other.request("GET", f"/v1/streams/{job}")
+            other.request("GET", f"/v1/streams/{job}", x_quantroute_stream_token=token)
             seen = Read()
             await other.head(seen)
             assert seen.status == 200, seen.headers
@@ -349,4 +352,7 @@ async def test_a_llamacpp_workers_streams_read_every_way_at_once_arrive_whole(
     app = create_app(chaos_settings(4096, repo=DEMO_REPO, engine=engine))
     stats = await run_clients(app, LLAMA, KINDS, 20, seed=5)
     assert min(stats.values()) > 0, stats
-    assert direct.written > 100 and direct.refused_full > 0, vars(direct)
+    # whether a slow reader's socket fills before its stream ends depends on the worker's
+    # pace against the reader's (it did in some runs, not in others, on one machine): the
+    # path past a full socket is pinned by the fake engines' run above; here, the direct one
+    assert direct.written > 100, vars(direct)

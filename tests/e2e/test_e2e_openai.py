@@ -168,8 +168,9 @@ def test_errors_over_raw_http(server: tuple[str, subprocess.Popen[bytes]]) -> No
 
 
 def _worker_pid(server_proc: subprocess.Popen[bytes], branch: str) -> int:
+    # a worker is handed its verified file as an open descriptor (--model /proc/self/fd/N)
     for child in psutil.Process(server_proc.pid).children(recursive=True):
-        if any(part.endswith(f"{branch}.gguf") for part in child.cmdline()):
+        if any(f.path.endswith(f"{branch}.gguf") for f in child.open_files()):
             return int(child.pid)
     raise AssertionError(f"no worker for {branch}")
 

@@ -186,3 +186,33 @@ def test_resumes_of_other_tenants_unknown_streams_or_unseen_events_are_refused(b
         time.sleep(RETENTION_S + 0.5)
         r = http.get(f"/v1/streams/{job}", headers=ACME)
         assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found"
+
+
+def test_an_open_server_resumes_only_with_the_token_and_answers_loopback_names_only() -> None:
+    """``quantroute serve`` without tenants (the default): a stream's id alone replays
+    nothing (it did, to anyone, for 300 s); a foreign ``Host`` (DNS rebinding) and a
+    ``text/plain`` POST (a foreign page's form) are refused (issue 32, M4)."""
+    with (
+        serve_process(demo_model_dir().parent, "--engine-parallel", "1", ready_s=90) as url,
+        httpx.Client(base_url=url, timeout=30) as http,
+    ):
+        body = BODY | {"max_tokens": 8}
+        r, events = _stream(http, "POST", "/v1/completions", json=body)
+        job, token = r.headers["x-request-id"], r.headers["x-quantroute-stream-token"]
+        assert events[-1].data == "[DONE]"
+        r = http.get(f"/v1/streams/{job}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found"
+        r, again = _stream(
+            http, "GET", f"/v1/streams/{job}", headers={"x-quantroute-stream-token": token}
+        )
+        assert [e.data for e in again] == [e.data for e in events]
+        data = http.get("/dashboard/data").json()
+        assert data["recent"] and all("request_id" not in e for e in data["recent"])
+        r = http.get("/healthz", headers={"host": "rebound.evil.example"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "host_not_allowed"
+        port = url.rpartition(":")[2]
+        assert http.get("/healthz", headers={"host": f"localhost:{port}"}).status_code == 200
+        r = http.post(
+            "/v1/completions", content=json.dumps(body), headers={"content-type": "text/plain"}
+        )
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"

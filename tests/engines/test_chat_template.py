@@ -1,22 +1,23 @@
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hostile import loop_gaps
 from quantroute.engines import chat_template
 from quantroute.engines.chat_template import (
-    _FAST,
     DEFAULT_STOPS,
     INLINE_CONTENT_CHARS,
     render_chat,
     render_chat_bounded,
 )
+from quantroute.engines.template_pool import TemplatePool
+from quantroute.engines.template_worker import RenderJob
 from quantroute.errors import InvalidRequestError, TemplateError
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
@@ -142,11 +143,11 @@ LIMITS = {"timeout_s": 0.5, "max_chars": 1 << 20}
 @pytest.mark.parametrize("template", RUNAWAY.values(), ids=RUNAWAY.keys())
 def test_a_runaway_template_stops_at_its_deadline(template: str) -> None:
     start, cpu = time.monotonic(), time.thread_time()
-    with pytest.raises(TemplateError) as info:
+    with pytest.raises(InvalidRequestError) as info:
         render_chat(MESSAGES, model_template=template, **LIMITS)
     assert info.value.error_code == "chat_template_limit"
-    assert info.value.status == 500
-    assert "time limit of 0.5 s" in info.value.message
+    assert info.value.status == 400 and info.value.param == "messages"
+    assert "exceeded its time budget (0.5 s)" in info.value.message
     # it stopped itself (this thread), within a few checks of the deadline
     assert time.monotonic() - start < 1.5
     assert time.thread_time() - cpu < 1.5
@@ -155,11 +156,11 @@ def test_a_runaway_template_stops_at_its_deadline(template: str) -> None:
 @pytest.mark.parametrize("template", OVERSIZED.values(), ids=OVERSIZED.keys())
 def test_an_oversized_template_value_is_refused_before_it_is_built(template: str) -> None:
     start = time.monotonic()
-    with pytest.raises(TemplateError) as info:
-        render_chat(MESSAGES, model_template=template, **LIMITS)
+    with pytest.raises(InvalidRequestError) as info:  # time enough for a busy machine
+        render_chat(MESSAGES, model_template=template, **(LIMITS | {"timeout_s": 10.0}))
     assert info.value.error_code == "chat_template_limit"
-    assert "1048576-character limit" in info.value.message
-    assert time.monotonic() - start < 1.5
+    assert "exceeded its size budget (1048576 characters" in info.value.message
+    assert time.monotonic() - start < 5
 
 
 @pytest.mark.parametrize(
@@ -167,6 +168,18 @@ def test_an_oversized_template_value_is_refused_before_it_is_built(template: str
     [
         "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
         "{% for x in [1] recursive %}{{ loop([1, 2]) }}{% endfor %}",
+    ],
+)
+def test_unbounded_recursion_is_over_the_budget(template: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        render_chat(MESSAGES, model_template=template, **LIMITS)
+    assert info.value.error_code == "chat_template_limit"
+    assert "recursion budget" in info.value.message
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
         "{{ lipsum(1000000) }}",  # not offered: n paragraphs in one call
         "{{ (10 ** 4000) * (10 ** 4000) }}",  # under the bit limit, but too long to print
     ],
@@ -237,7 +250,7 @@ def test_a_large_conversation_renders_in_time() -> None:
 def test_the_output_limit_counts_the_prompt_itself() -> None:
     conversation = [{"role": "user", "content": "x" * 1000}]
     assert render_chat(conversation, model_template=None, max_chars=1100).text
-    with pytest.raises(TemplateError, match="1000-character limit"):
+    with pytest.raises(InvalidRequestError, match=r"size budget \(1000 characters"):
         render_chat(conversation, model_template=None, max_chars=1000)
 
 
@@ -262,139 +275,89 @@ def test_the_default_template_is_the_documented_format_for_any_conversation(
     assert prompt.text == expected + "### Assistant:\n"
 
 
-async def test_bounded_render_runs_off_the_event_loop_and_stops_at_the_deadline() -> None:
-    ticks = 0
+class CountingPool(TemplatePool):
+    """A real pool that counts the renders it is given."""
 
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0.01)
-            ticks += 1
+    def __init__(self) -> None:
+        super().__init__(size=1)
+        self.jobs: list[RenderJob] = []
 
-    task = asyncio.create_task(ticker())
-    start = time.monotonic()
-    try:
-        with pytest.raises(TemplateError) as info:
-            await render_chat_bounded(
-                MESSAGES, model_template=RUNAWAY["nested ranges"], timeout_s=0.5
-            )
-    finally:
-        task.cancel()
-    elapsed = time.monotonic() - start
-    assert info.value.error_code == "chat_template_limit"
-    assert 0.45 < elapsed < 1.5
-    assert ticks >= 10  # the loop kept running while the template did
-    # and the template's thread stopped itself: no render is left burning a core
-    await asyncio.sleep(0.1)
-    assert not [t for t in threading.enumerate() if t.name.startswith("asyncio_") and _busy(t)]
+    async def render(self, job: RenderJob) -> str:
+        self.jobs.append(job)
+        return await super().render(job)
 
 
-def _busy(thread: threading.Thread) -> bool:
-    # an idle executor thread waits on its queue; a rendering one would be in jinja2
-    import sys
-    import traceback
-
-    frame = sys._current_frames().get(thread.ident or -1)
-    return frame is not None and any(
-        "jinja2" in f.filename or "chat_template" in f.filename
-        for f in traceback.extract_stack(frame)
-    )
+@pytest.fixture
+def pool() -> Any:
+    p = CountingPool()
+    p.warm()  # its process started: the renders' times are the renders'
+    yield p
+    p.close()
 
 
-async def test_bounded_render_gives_the_same_prompt() -> None:
-    prompt = await render_chat_bounded(MESSAGES, model_template=None, timeout_s=1.0)
-    assert prompt == render_chat(MESSAGES, model_template=None)
-
-
-LOOP_BUDGET_S = 0.02
-
-# A template that is fast unless the last message asks it not to be: slow (a loop past the
-# loop's small budget, not the thread's), huge (a value past the loop's size budget, not the
-# thread's), or runaway (past every budget).
 SHIFTY = (
     "{% set last = messages[-1].content %}"
-    "{% if last == 'slow' %}{% for i in range(20000) %}{% for j in range(10) %}{% endfor %}"
+    "{% if last == 'slow' %}{% for i in messages %}{% for j in messages %}{% endfor %}"
     "{% endfor %}{% endif %}"
-    "{% if last == 'huge' %}{{ 'x' * 400000 }}{% endif %}"
-    "{% if last == 'runaway' %}{% for i in range(100000) %}{% for j in range(100000) %}"
-    "{% endfor %}{% endfor %}{% endif %}"
     "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 )
 
 
-async def _render_counting_threads(
-    monkeypatch: pytest.MonkeyPatch, content: str, timeout_s: float = 5.0
-) -> tuple[str, int, float]:
-    """The prompt, how many thread hand-offs it took, and the longest the loop stood still.
-    The loop's budget is 20 ms here (a thread render under 5 ms proves a template fast),
-    so a busy machine's pauses do not decide what a test sees."""
-    monkeypatch.setattr(chat_template, "INLINE_S", LOOP_BUDGET_S)
-    threads = 0
-    real = asyncio.to_thread
-
-    async def counting(*args: object, **kwargs: object) -> object:
-        nonlocal threads
-        threads += 1
-        return await real(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(asyncio, "to_thread", counting)
-    gaps = [0.0]
-
-    async def ticker() -> None:
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(0)
-            now = time.monotonic()
-            gaps[0] = max(gaps[0], now - last)
-            last = now
-
-    task = asyncio.create_task(ticker())
-    await asyncio.sleep(0)
-    try:
-        prompt = await render_chat_bounded(
-            [{"role": "user", "content": content}], model_template=SHIFTY, timeout_s=timeout_s
+async def test_bounded_render_gives_the_same_prompt(pool: CountingPool) -> None:
+    for template in (None, LLAMA3, MISTRAL, TOOLISH, SHIFTY):
+        conversation = [*MESSAGES, {"role": "assistant", "content": "Hello."}]
+        conversation.append({"role": "user", "content": "Bye"})
+        if template is MISTRAL:
+            conversation = conversation[1:]
+        expected = render_chat(conversation, model_template=template, bos_token="<s>")
+        got = await render_chat_bounded(
+            conversation, model_template=template, bos_token="<s>", pool=pool
         )
-    finally:
-        task.cancel()
-    return prompt.text, threads, gaps[0]
+        assert got == expected
 
 
-async def test_a_small_conversation_renders_on_the_loop_once_its_template_proved_fast(
-    monkeypatch: pytest.MonkeyPatch,
+async def test_a_provably_bounded_template_renders_small_conversations_on_the_loop(
+    pool: CountingPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _FAST.clear()
-    text, threads, _ = await _render_counting_threads(monkeypatch, "hi")
-    assert (text, threads) == ("<user>hi<assistant>", 1)  # first: compiled and timed in a thread
-    text, threads, _ = await _render_counting_threads(monkeypatch, "hello")
-    assert (text, threads) == ("<user>hello<assistant>", 0)  # then on the loop
-    expected = render_chat([{"role": "user", "content": "hello"}], model_template=SHIFTY)
-    assert text == expected.text
-    big = "y" * (INLINE_CONTENT_CHARS + 1)  # a long conversation: a thread, always
-    text, threads, _ = await _render_counting_threads(monkeypatch, big)
-    assert threads == 1 and text.endswith(big + "<assistant>")
+    monkeypatch.setattr(chat_template, "INLINE_S", 0.05)  # a busy machine's pauses aside
+    for content in ("hi", "slow"):
+        prompt = await render_chat_bounded(
+            [{"role": "user", "content": content}], model_template=SHIFTY, pool=pool
+        )
+        assert prompt.text == f"<user>{content}<assistant>"
+    assert pool.jobs == []  # no render process involved
+    big = "y" * (INLINE_CONTENT_CHARS + 1)  # a long conversation: a render process
+    prompt = await render_chat_bounded(
+        [{"role": "user", "content": big}], model_template=SHIFTY, pool=pool
+    )
+    assert prompt.text.endswith(big + "<assistant>") and len(pool.jobs) == 1
 
 
-@pytest.mark.parametrize("content", ["slow", "huge"])
-async def test_a_render_past_the_loops_budget_finishes_in_a_thread(
-    monkeypatch: pytest.MonkeyPatch, content: str
+async def test_a_template_that_is_not_provably_bounded_always_renders_out_of_process(
+    pool: CountingPool,
 ) -> None:
-    _FAST.clear()
-    await _render_counting_threads(monkeypatch, "hi")  # the template is fast: on the loop next
-    text, threads, gap = await _render_counting_threads(monkeypatch, content)
-    assert threads == 1 and text.endswith(f"<user>{content}<assistant>")  # the full budget's
-    assert gap < LOOP_BUDGET_S + 0.03  # the loop was held for its budget at most (and noise)
-    if content == "slow":  # its thread render was slow too: back to threads until one is fast
-        _, threads, _ = await _render_counting_threads(monkeypatch, "hi")
-        assert threads == 1
+    template = SHIFTY + "{{ 'ab' * 2 }}"  # one multiplication: not provably bounded
+    for _ in range(3):
+        prompt = await render_chat_bounded(
+            [{"role": "user", "content": "hi"}], model_template=template, pool=pool
+        )
+        assert prompt.text == "<user>hi<assistant>abab"
+    assert len(pool.jobs) == 3
 
 
-async def test_a_runaway_render_stops_on_the_loop_at_its_budget_and_in_its_thread_at_the_limit(
-    monkeypatch: pytest.MonkeyPatch,
+async def test_a_runaway_render_is_a_400_at_its_deadline_and_the_loop_runs_meanwhile(
+    pool: CountingPool,
 ) -> None:
-    _FAST.clear()
-    await _render_counting_threads(monkeypatch, "hi")
     start = time.monotonic()
-    with pytest.raises(TemplateError) as info:
-        await _render_counting_threads(monkeypatch, "runaway", timeout_s=0.3)
-    assert info.value.error_code == "chat_template_limit"
-    assert 0.25 < time.monotonic() - start < 1.5
+    outcome, gap = await loop_gaps(
+        render_chat_bounded(
+            MESSAGES, model_template=RUNAWAY["nested ranges"], timeout_s=0.5, pool=pool
+        )
+    )
+    assert isinstance(outcome, InvalidRequestError)
+    assert outcome.error_code == "chat_template_limit"
+    assert gap < 0.2  # the render ran in its process, not on the loop
+    assert 0.45 < time.monotonic() - start < 0.5 + 1.5  # the kill, a busy machine
+    # and the pool still renders
+    prompt = await render_chat_bounded(MESSAGES, model_template=TOOLISH, pool=pool)
+    assert prompt.text.startswith("[Be brief.]")

@@ -118,7 +118,9 @@ def _pair(ref: str) -> dict[str, Any]:
         ({"type": "string", "pattern": "^([^a]?){129}$"}, "at most 256 positions open"),
         ({"type": "string", "pattern": "^(x|y)((a|b|c|d)?){65}$"}, "positions open"),
         ({"type": "string", "pattern": "^(" + "|".join(["ab"] * 257) + ")$"}, "256 alternatives"),
-        ({"type": "string", "pattern": "^(" + "|".join(["ab"] * 30_000) + ")$"}, "alternatives"),
+        ({"type": "string", "pattern": "^(" + "|".join(["ab"] * 30_000) + ")$"},
+         "at most 8192 characters long"),
+        ({"type": "string", "pattern": "^[^" + "\\d" * 4100 + "]$"}, "at most 8192 characters"),
         ({"enum": list(range(501))}, "at most 500 values"),
         ({"enum": [{"a": [i]} for i in range(20_000)]}, "at most 500 values"),
         ({"const": "x" * 70_000}, "65536 characters"),
@@ -648,9 +650,20 @@ def test_a_schema_seen_before_is_not_converted_again_and_the_memo_is_bounded(
     assert g.tool_call_grammar(tools, parallel=True) == g.tool_call_grammar(tools, parallel=True)
     assert g.tool_call_grammar(tools, parallel=False) != g.tool_call_grammar(tools, parallel=True)
     assert converted == [1, 1, 1, 1]
-    for _ in range(2):  # a schema that fails is checked again, and fails again
-        with pytest.raises(SchemaError):
+    checked: list[int] = []
+    real_check = g.check_schema
+
+    def counting_check(schema: Any, where: str = "schema") -> None:
+        checked.append(1)
+        real_check(schema, where)
+
+    monkeypatch.setattr(g, "check_schema", counting_check)
+    messages = set()
+    for _ in range(3):  # a refusal is remembered like a grammar: checked once, refused thrice
+        with pytest.raises(SchemaError) as refused:
             g.schema_grammar({"type": "string", "minimum": 1})
+        messages.add(str(refused.value))
+    assert checked == [1] and len(messages) == 1 and "'minimum'" in messages.pop()
     for n in range(200):  # many schemas: the oldest go, the memo stays within its budget
         g.schema_grammar({"type": "string", "maxLength": n + 1})
     assert g._MEMO._used <= 64 << 10 and len(g._MEMO._grammars) < 200

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -306,3 +307,77 @@ async def test_restart_while_a_start_is_in_progress(make: Make) -> None:
         await first  # that start was superseded: it ends, and does not hang
     assert h.exits == [-int(signal.SIGKILL)] and h.spawns == 2
     assert h.sup.process is not None and h.sup.process.returncode is None
+
+
+async def test_a_stop_right_after_a_start_ends_that_start(make: Make) -> None:
+    """Issue #32 H2b's cause: the loop task cancelled before its first step never ran its
+    ``finally``, so the start (an operator's restart) waited for ever."""
+    h = make("serve")
+    start, stop = h.sup.start(), h.sup.stop()
+    done = await asyncio.wait_for(asyncio.gather(start, stop, return_exceptions=True), 5.0)
+    assert isinstance(done[0], EngineUnavailableError) and done[1] is None
+    assert h.spawns == 0
+    await asyncio.wait_for(h.sup.start(), 5.0)  # and it starts again afterwards
+    assert h.spawns == 1
+
+
+async def test_a_restart_with_a_stop_behind_it_answers(make: Make) -> None:
+    h = make("serve")
+    await h.sup.start()
+    await h.sup.stop()  # a branch stopped (its file was replaced, say)
+    done = await asyncio.wait_for(
+        asyncio.gather(h.sup.restart(), h.sup.stop(), return_exceptions=True), 5.0
+    )
+    assert isinstance(done[0], EngineUnavailableError)
+
+
+async def test_a_refused_file_fails_the_supervisor_at_once_in_its_words(tmp_path: Path) -> None:
+    """``prepare`` refusing (the file is not the verified one): no spawn, no retry, failed
+    once with exactly that cause; a restart checks again, and a good launch runs."""
+    from quantroute.engines.supervisor import Launch
+    from quantroute.errors import ArtifactIntegrityError
+
+    mode = tmp_path / "mode"
+    mode.write_text("serve")
+    refuse = ["its file main.gguf changed on disk since it was verified"]
+    failures: list[str] = []
+    exits: list[int] = []
+    fds: list[int] = []
+
+    async def prepare() -> Launch:
+        if refuse:
+            raise ArtifactIntegrityError(refuse[0])
+        r, w = os.pipe()
+        os.write(w, b"launched")
+        os.close(w)
+        fds.append(r)
+        argv = [sys.executable, "-c", f"import os; os.read({r}, 8)\n" + WORKER, str(mode), "1"]
+        return Launch(tuple(argv), (r,))
+
+    async def on_start(proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        assert await asyncio.wait_for(proc.stdout.readline(), 5.0) == b"ready\n"
+
+    sup = WorkerSupervisor(
+        "tiny:main",
+        ["/nonexistent"],
+        on_start=on_start,
+        on_exit=exits.append,
+        on_failed=failures.append,
+        policy=RestartPolicy(backoff_s=0.01, max_crashes=3),
+        prepare=prepare,
+    )
+    try:
+        with pytest.raises(ArtifactIntegrityError):
+            await asyncio.wait_for(sup.start(), 5.0)
+        await until(lambda: sup.failed)
+        await asyncio.sleep(0.1)
+        assert sup.failure == refuse[0] and failures == [refuse[0]] and sup.restarts == 0
+        assert exits == [] and sup.process is None  # nothing was spawned, so nothing exited
+        refuse.clear()
+        await asyncio.wait_for(sup.restart(), 5.0)  # the descriptor reached the worker
+        assert not sup.failed and sup.process is not None and sup.process.returncode is None
+    finally:
+        await sup.stop()
+        for fd in fds:
+            os.close(fd)

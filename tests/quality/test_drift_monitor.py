@@ -63,7 +63,7 @@ async def client(damaged: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
     app = create_app(settings, _table(damaged))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://qr") as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
             yield c, app.state.gateway
 
 

@@ -67,6 +67,8 @@ def test_validate_a_file_and_a_repository(
     data = (repo / "tiny-llama" / "q8_0.gguf").read_bytes()
     (repo / "tiny-llama" / "q8_0.gguf").write_bytes(data[:100])
     assert main(["validate", str(repo)]) == 1
-    assert "tiny-llama:q8_0: sha256 of q8_0.gguf" in capsys.readouterr().out
+    assert (
+        "tiny-llama:q8_0: q8_0.gguf does not match the manifest's sha256" in capsys.readouterr().out
+    )
     assert main(["validate", str(repo / "tiny-llama" / "q8_0.gguf")]) == 1
     assert "past the end" in capsys.readouterr().out

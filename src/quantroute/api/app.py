@@ -5,7 +5,10 @@ background tasks) and the stream store (resumable streams): it starts the
 gateway before the first request and, after the last, stops the streams'
 producers, then the gateway; under ``quantroute serve`` it freezes the started
 gateway's heap (:func:`freeze_startup_heap`). Outside every middleware,
-:class:`HeadWithBody` sends a response's head and its first body in one TCP segment.
+:class:`HeadWithBody` sends a response's head and its first body in one TCP segment;
+in front of the routes, :class:`~quantroute.api.gate.RequestGate` refuses a ``Host`` the
+server does not answer to and a ``POST`` a foreign page could send unasked. The OpenAPI
+schema and its page are served only with ``server.docs`` (no third-party script).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from quantroute.api.body_limit import BodyLimitMiddleware
 from quantroute.api.direct import EXTENSION, DirectBody
 from quantroute.api.errors import install_error_handlers
+from quantroute.api.gate import HostRule, RequestGate
 from quantroute.api.gateway import Gateway
+from quantroute.api.reference import install_reference
 from quantroute.api.routes import GenerationRoutes, router
 from quantroute.config import Settings
 from quantroute.engines import pattern
@@ -68,18 +73,33 @@ def create_app(
     # FastAPI's own OpenTelemetry stays off: the request's spans and metrics are ours
     # (observability/), and its check for a global provider costs every request.
     off = TelemetryConfig(tracing=False, metrics=False, logs=False)
-    app = _App(title="quantroute", version="0.1.0", lifespan=lifespan, telemetry=off)
+    # FastAPI's /docs and /redoc load their scripts from a CDN: never; the schema and a
+    # plain page of it (api/reference.py) only when asked for.
+    app = _App(
+        title="quantroute",
+        version="0.1.0",
+        lifespan=lifespan,
+        telemetry=off,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if settings.server.docs else None,
+    )
     app.state.settings = settings
     app.state.gateway = gateway  # for tests and the lifespan; routes use the service only
     app.state.service = gateway.service
     app.state.tenants = gateway.tenants
     app.state.streams = streams
     app.include_router(router)
-    # Middlewares run outermost last-added first: the body limit, the internal-error
-    # answer, then the generation endpoints (in front of the router).
+    if settings.server.docs:
+        install_reference(app)
+    # Middlewares run outermost last-added first: the Host and POST checks, the body
+    # limit, the internal-error answer, then the generation endpoints (in front of the
+    # router).
     app.add_middleware(GenerationRoutes)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.server.max_body_bytes)
+    hosts = HostRule.of(settings.server.allowed_hosts, open_api=gateway.tenants.open)
+    app.add_middleware(RequestGate, hosts=hosts)
     return app
 
 

@@ -12,6 +12,11 @@
 - ``/admin/*``: ``Authorization: Bearer <server.admin_key>``; without a
   configured key they are closed (403), so a fresh install exposes no
   operator action.
+- Request ids (the status page's last requests) only to the admin or the
+  metrics key, an open API included: an id is what a stream is resumed by.
+- A stream is resumed by its tenant only; with an open API, where everyone is
+  the same ``anonymous``, only with the secret its first response carried
+  (``x-quantroute-stream-token``).
 
 Keys are compared in constant time and never logged or echoed.
 """
@@ -95,6 +100,18 @@ def sees_everyone(request: Request) -> bool:
     or anyone while the API is open."""
     tenants: Tenants = request.app.state.tenants
     return tenants.open or _is_operator(request, bearer_token(request))
+
+
+def sees_request_ids(request: Request) -> bool:
+    """Whether the caller may see request ids (which name streams): the admin or the
+    metrics key only, whether the API is open or not."""
+    return _is_operator(request, bearer_token(request))
+
+
+def is_open(request: Request) -> bool:
+    """Whether the API is open (no client keys): every caller is ``anonymous``."""
+    tenants: Tenants = request.app.state.tenants
+    return tenants.open
 
 
 def sees_everything(request: Request) -> bool:

@@ -20,7 +20,7 @@ from quantroute.config import Settings
 from quantroute.engines.base import Engine
 from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
-from quantroute.quality.profile import load_profiles, stale_profiles
+from quantroute.quality.profile import PROFILE_NAME, Trust, load_profiles, stale_profiles
 from quantroute.registry.digests import Digests
 from quantroute.registry.manifest import BranchArtifact
 from quantroute.registry.repository import ModelEntry, RepositoryScan, scan_repository
@@ -92,6 +92,7 @@ class Catalog:
             timeout_s=r.check_timeout_s,
             memory_bytes=r.check_memory_bytes,
             digests=self.digests,
+            follow_links=r.follow_links,
         )
 
     def build_all(self, scan: RepositoryScan) -> list[ModelBuild]:
@@ -119,13 +120,15 @@ class Catalog:
         new, unstarted engines."""
         manifest = entry.manifest
         routes, fingerprints, fresh = [], {}, []
+        # under require_signatures a profile routes only if the signature covers it
+        trust = Trust(self._settings.repository.require_signatures, entry.signed.get(PROFILE_NAME))
         versioned = bool(manifest.versions)
         for version, artifacts in zip(manifest.version_names(), entry.versions, strict=True):
             name = versioned_name(manifest.model, version if versioned else None)
             reference, _ = manifest.version_spec(version)
-            profiles, warnings = load_profiles(entry.directory, artifacts)
+            profiles, warnings = load_profiles(entry.directory, artifacts, trust)
             stale = (
-                stale_profiles(entry.directory, artifacts)
+                stale_profiles(entry.directory, artifacts, trust)
                 if version == manifest.version
                 else frozenset()
             )
@@ -179,4 +182,6 @@ class Catalog:
             cpus=cpus,
             fault=e.fault_for(route, a.name) or e.fault_for(a.model, a.name),
         )
-        return LlamaCppEngine(f"{route}:{a.name}", a.path, options, self._policy)
+        return LlamaCppEngine(
+            f"{route}:{a.name}", a.path, options, self._policy, verified=a.verified()
+        )

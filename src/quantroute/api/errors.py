@@ -50,6 +50,7 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 # "list[TextPart]", "function-after[...]"), and the path stops before it.
 _NAMEABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}|[0-9]{1,9}")
 _TOKEN_ID = re.compile(r"[0-9]{1,9}")
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # an unknown key that may be named
 # Fields whose keys are the client's: a key is named only if it is a token id.
 _KEYED = frozenset({"logit_bias"})
 # pydantic's messages that quote the input (a union's tag, an attribute's name, a
@@ -127,8 +128,9 @@ def _message(first: Mapping[str, Any]) -> str:
 
 
 def validation_error(exc: RequestValidationError) -> InvalidRequestError:
-    """The first problem, naming its field; the offending value is never echoed, nor a
-    key the client made up (an unknown field is named by where it is)."""
+    """The first problem, naming its field; the offending value is never echoed. An unknown
+    field is named when its name is a plain ASCII name (``frobnicate``, as OpenAI names
+    it), else by where it is: a key of other characters is the client's text, unsaid."""
     first = exc.errors()[0]
     kind = first.get("type")
     if kind == "json_invalid":
@@ -136,10 +138,14 @@ def validation_error(exc: RequestValidationError) -> InvalidRequestError:
     raw = tuple(first.get("loc", ()))
     parts = raw[1:] if raw[:1] == ("body",) else raw
     if kind == "extra_forbidden":  # the last part is the client's key
-        loc, _ = _location(parts[:-1])
-        if not loc and parts and parts[-1] in _KNOWN_PARAMETERS:  # a name from our list
-            known = str(parts[-1])
-            return InvalidRequestError(f"{known}: not a parameter of this endpoint", param=known)
+        loc, whole = _location(parts[:-1])
+        key = str(parts[-1]) if parts else ""
+        if whole and (key in _KNOWN_PARAMETERS or _FIELD_NAME.fullmatch(key)):
+            # named as OpenAI names it: a plain ASCII name of at most 64 characters is a
+            # field's name, not a value; anything else is the client's text and stays unsaid
+            named = ".".join([*loc, key])
+            where = "this endpoint" if not loc else ".".join(loc)
+            return InvalidRequestError(f"{named}: not a parameter of {where}", param=named)
         if not loc:
             message = "The body has a field that is not a parameter of this endpoint."
             return InvalidRequestError(message)

@@ -22,8 +22,7 @@ part                        what it does
 It also listens to the engines (:class:`~quantroute.engines.EngineListener`)
 and passes what they say to the parts that care: a branch that becomes ready
 is measured, one whose worker dies is detached from its device and counts
-against its health, one that fails is logged with its cause. The lifespan
-owns one Gateway.
+against its health, one that fails is logged with its cause. The lifespan owns one Gateway.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from quantroute.config import Settings
 from quantroute.engines.base import Engine
 from quantroute.engines.exits import crashed
 from quantroute.engines.llamacpp_build import probe_build
+from quantroute.engines.template_pool import close_default_pool
 from quantroute.observability import Observer
 from quantroute.quality.drift import Baseline, DriftMonitor, Replay
 from quantroute.registry.watcher import watch_repository
@@ -119,13 +119,9 @@ class Gateway:
         self.retry_budget = RetryBudget(ratio=r.retry_ratio, min_retries=r.retry_min)
         self.tenants = load_tenants(settings.auth.tenants_file)
         self.limits = TenantLimits()
-        a = settings.admission
-        self.admission = Admission(
-            queue_size=a.queue_size,
-            slots_factor=a.slots_factor,
-            retry_after_s=a.retry_after_s,
-            in_flight_of=self.limits.in_flight,
-        )
+        # admission.* is Admission's own keywords: queue_size, slots_factor, retry_after_s
+        a = settings.admission.model_dump()
+        self.admission = Admission(**a, in_flight_of=self.limits.in_flight)
         self.poller: DevicePoller = poller_from_settings(
             self._provider, settings.telemetry, health=self.health
         )
@@ -252,6 +248,7 @@ class Gateway:
         for branch in reversed(self.routes.current.branches()):
             await branch.engine.stop()
         await self.poller.stop()
+        await asyncio.to_thread(close_default_pool)  # the chat templates' render processes
         self._provider.close()
         self.observer.shutdown()  # last: the spans of the requests that just ended
 

@@ -47,9 +47,10 @@ class Job:
 
 def request_grammar(req: ChatCompletionRequest | CompletionRequest) -> str | None:
     """The GBNF a request's output must match (its ``response_format``; a chat request's
-    forced tool calls), or ``None``; a 400 for a schema the grammar cannot enforce. Worked
-    out before the request is admitted: a request that can never run does not wait in the
-    model's queue, nor take a place there."""
+    forced tool calls), or ``None``; a 400 for a schema the grammar cannot enforce. The
+    service has it worked out in a thread (``api/grammars.py``), after the tenant's limits
+    and before the model's queue: a request that can never run does not wait there, nor
+    take a place there."""
     if isinstance(req, ChatCompletionRequest):
         return grammar_of(req.response_format, req.tools, req.tool_choice, req.parallel_tool_calls)
     return grammar_of(req.response_format)

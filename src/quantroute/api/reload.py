@@ -22,7 +22,12 @@ failure is a fallback that no circuit breaker counts.
 
 A branch whose worker was stopped because its file was replaced on disk
 (``Gateway.superseded``) is never kept by a reload, even with the same
-fingerprint: it gets a new, started worker.
+fingerprint: it gets a new, started worker. Every reload first asks each
+running worker's engine whether the file it loaded is still the verified one
+(``LlamaCppEngine.file_moved``: rewritten in place, its mtime set back or
+not); one that moved is killed and not kept, and its restart refuses the
+file, so a model whose new files are refused does not keep serving on bytes
+nobody verified: that branch fails, in words, instead.
 
 A model whose check or start fails keeps its old routes (the old version keeps
 serving) and the failure is logged, counted by outcome and kept for
@@ -45,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from quantroute.api.catalog import ModelBuild
 from quantroute.api.drain import Drains
+from quantroute.engines.llamacpp import LlamaCppEngine
 from quantroute.routing.table import Branch, ModelRoute, RouteTable
 from quantroute.routing.versions import VersionSplit
 from quantroute.telemetry.occupancy import PlacementRequest
@@ -184,10 +190,11 @@ class Reloader:
         check_s = time.monotonic() - started
         current = gateway.routes.current
         failures: dict[str, str] = {}
+        moved = _refuse_moved(current.branches())
         keep = {  # a worker stopped for a file replaced on disk is not kept: it gets a new one
             b.id: (self.fingerprints.get(b.id, ""), b.engine)
             for b in current.branches()
-            if b.id not in gateway.superseded
+            if b.id not in gateway.superseded and b.id not in moved
         }
         n_workers = sum(len(v) for m in scan.models for v in m.versions)
         builds: list[ModelBuild] = []
@@ -319,6 +326,19 @@ class Reloader:
         async with self._lock:
             self._stopped = True
         await self.drains.close()
+
+
+def _refuse_moved(branches: Sequence[Branch]) -> set[str]:
+    """The branches whose running worker loaded a file that changed since (rewritten in
+    place): each is killed, and its restart refuses the file (``registry.verified``)."""
+    moved: set[str] = set()
+    for b in branches:
+        engine = b.engine
+        why = engine.file_moved() if isinstance(engine, LlamaCppEngine) else None
+        if why is not None and isinstance(engine, LlamaCppEngine):
+            engine.refuse(why)
+            moved.add(b.id)
+    return moved
 
 
 def _views(table: RouteTable) -> dict[str, list[object]]:

@@ -19,12 +19,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from quantroute.api.auth import (
     explainer,
+    is_open,
     require_admin,
     require_client,
     require_operator,
     require_reader,
     sees_everyone,
     sees_everything,
+    sees_request_ids,
 )
 from quantroute.api.errors import render_error
 from quantroute.api.render import ResponseRenderer
@@ -46,6 +48,7 @@ from quantroute.resilience.tenants import Tenant
 router = APIRouter()
 Client = Annotated[Tenant, Depends(require_client)]  # the tenant of the request's key
 Reader = Annotated[Tenant, Depends(require_reader)]  # a client's tenant, or the admin: all
+STREAM_TOKEN = "x-quantroute-stream-token"  # a stream's secret: its first response has it
 
 
 def _service(request: Request) -> Service:
@@ -91,7 +94,7 @@ async def _respond(
             stall_timeout_s=request.app.state.settings.resilience.reader_stall_timeout_s,
         )
         write_inline(run, renderer, stream)
-        return _sse(request, stream, None)
+        return _sse(request, stream, None, {STREAM_TOKEN: stream.token})
     renderer = ResponseRenderer(run)
     collect = asyncio.create_task(_collect(run, renderer))
     watch = asyncio.create_task(_client_gone(request))
@@ -116,10 +119,12 @@ def _streams(request: Request) -> StreamStore:
     return store
 
 
-def _sse(request: Request, stream: Stream, after: int | None) -> EventStreamResponse:
+def _sse(
+    request: Request, stream: Stream, after: int | None, more: dict[str, str] | None = None
+) -> EventStreamResponse:
     keepalive_s = request.app.state.settings.server.keepalive_s
     headers = stream.headers | {"cache-control": "no-cache", "x-accel-buffering": "no"}
-    return EventStreamResponse(stream, after, keepalive_s, headers)
+    return EventStreamResponse(stream, after, keepalive_s, headers | more if more else headers)
 
 
 def _resume_after(
@@ -154,12 +159,17 @@ async def resume_stream(
     tenant: Client,
     starting_after: Annotated[str | None, Query()] = None,
     last_event_id: Annotated[str | None, Header()] = None,
+    x_quantroute_stream_token: Annotated[str | None, Header()] = None,
 ) -> EventStreamResponse:
     """A stream again, from the event after ``Last-Event-ID`` (or ``starting_after``):
-    the events kept, then the live rest; 404 once it expired, or for another tenant."""
+    the events kept, then the live rest; 404 once it expired, for another tenant, or,
+    with an open API, without the stream's secret (``x-quantroute-stream-token``)."""
     key = stream_id.removeprefix("chatcmpl-").removeprefix("cmpl-")  # a chunk's id works too
     after = _resume_after(key, last_event_id, _seq(starting_after, "starting_after"))
-    stream = _streams(request).get(key, tenant.name, after)
+    token = x_quantroute_stream_token
+    stream = _streams(request).get(
+        key, tenant.name, after, token=token, token_required=is_open(request)
+    )
     if after is not None and after >= stream.next_seq:  # no client can have seen it
         raise InvalidRequestError(
             "that event id is past this stream's last event",
@@ -195,7 +205,8 @@ class GenerationRoutes:
     of a request's gateway path together (docs/benchmarks.md, "The request path").
 
     The same parts answer as in a route: the tenant of the key (``require_client``,
-    before the body is read), the body (``parse_body``: any content type, as JSON;
+    before the body is read), the body (``parse_body``, as JSON: the gate in front,
+    ``api/gate.py``, let through only a JSON content type or an ``Authorization`` header;
     the schema's errors as 400s naming the field), :func:`_respond`, and the error
     handlers' rendering (``render_error``). It sits inside the body limit and the
     internal-error middleware, which apply to it as to every route."""
@@ -264,8 +275,14 @@ async def dashboard() -> HTMLResponse:
 @router.get("/dashboard/data", dependencies=[Depends(require_operator)])
 async def dashboard_data(request: Request) -> dict[str, Any]:
     """What the router did in the last minute, and the last requests (for the page): those
-    of every tenant for the admin key (or an open API) only."""
-    return _service(request).dashboard(everyone=sees_everyone(request))
+    of every tenant for the admin key (or an open API) only, and their ids (which name
+    streams) for the admin or the metrics key only."""
+    data = _service(request).dashboard(everyone=sees_everyone(request))
+    if not sees_request_ids(request):
+        data["recent"] = [
+            {k: v for k, v in entry.items() if k != "request_id"} for entry in data["recent"]
+        ]
+    return data
 
 
 @router.get("/healthz")
@@ -274,6 +291,7 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz")
+@router.get("/health")  # the readiness probe's name in vLLM, llama-server and most charts
 async def readyz(request: Request) -> JSONResponse:
     """200 when every model has a branch that takes traffic; the body names failed ones
     (to whoever may read every model: otherwise it says ready or not, alone)."""
@@ -281,6 +299,12 @@ async def readyz(request: Request) -> JSONResponse:
     if not sees_everything(request):
         body = {"status": body["status"]}
     return JSONResponse(body, status_code=200 if ready else 503)
+
+
+@router.get("/version")
+async def version(request: Request) -> dict[str, Any]:
+    """quantroute's version and the llama.cpp revision its workers run."""
+    return await _service(request).version()
 
 
 @router.get("/v1/devices", dependencies=[Depends(require_operator)])
@@ -308,7 +332,7 @@ async def reload_repository(request: Request) -> dict[str, Any]:
 @router.put("/admin/devices/{device_id}/pressure", dependencies=[Depends(require_admin)])
 async def set_pressure(request: Request, device_id: str) -> dict[str, Any]:
     """Simulated devices only: occupy ``bytes`` of a device, as another tenant would. The
-    body is read as JSON whatever its content type (``curl -d`` sends a form's)."""
+    body is read as JSON whatever its content type (a PUT, and it needs the admin key)."""
     try:
         body = parse_body(await request.body(), PressureBody)
     except ValidationError as exc:

@@ -18,8 +18,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from quantroute import __version__
 from quantroute.api import views
-from quantroute.api.jobs import Job, build_job, request_grammar
+from quantroute.api.grammars import Grammars
+from quantroute.api.jobs import Job, build_job
 from quantroute.api.run import Run
 from quantroute.api.runner import Runner
 from quantroute.api.schemas import (
@@ -68,6 +70,8 @@ class Service:
         self._gateway = gateway
         self._settings = gateway.settings
         self._runner = Runner(gateway)
+        self._grammars = Grammars(self._settings.limits.compile_timeout_s)
+        self._build: asyncio.Future[dict[str, str]] | None = None  # GET /version's llama.cpp
 
     # -- routing ----------------------------------------------------------------
 
@@ -193,8 +197,7 @@ class Service:
     async def _prepare(
         self, req: Request, headers: Mapping[str, str], tenant: Tenant, trace: RequestTrace
     ) -> Job:
-        check_limits(req, self._settings.limits)
-        grammar = request_grammar(req)
+        check_limits(req, self._settings.limits)  # cheap checks first, then the tenant's limits
         gateway = self._gateway
         who = Audience.of(req.user, headers)
         route, _ = lookup(gateway.routes.current, req.model, who, _limited(tenant))
@@ -205,6 +208,11 @@ class Service:
                 f"this key is over its {limit.replace('_', ' ')} limit", retry_after_s=retry_s
             )
         stamp = gateway.limits.started(tenant)  # counted now: no wait since the check
+        try:  # what the client chose to cost: after the limits, off the loop, bounded
+            grammar = await self._grammars.of(req)
+        except BaseException:
+            gateway.limits.finished(tenant, 0)  # it ran: it counts in the tenant's minute
+            raise
         try:
             return await self._admit(req, headers, tenant, route.name, trace, who, grammar)
         except BaseException:
@@ -231,7 +239,7 @@ class Service:
         ticket = await gateway.admission.enter(
             model,
             capacity=gateway.capacity(model),
-            priority=tenant.priority + (req.priority or 0),
+            priority=tenant.priority_for(req.priority),  # capped at its max_priority
             tenant=tenant.name,
             deadline=deadline,
         )
@@ -258,6 +266,8 @@ class Service:
                     eos_token=info.eos_token if info else "",
                     timeout_s=limits.template_timeout_s,
                     max_chars=limits.template_max_chars,
+                    max_bytes=limits.template_max_bytes,
+                    where=model,
                 )
             job = build_job(
                 req,
@@ -308,6 +318,13 @@ class Service:
     def metrics(self) -> bytes:
         """Prometheus text exposition: requests, routing, branches, devices."""
         return views.metrics_text(self._gateway)
+
+    async def version(self) -> dict[str, Any]:
+        """The body of ``GET /version``: quantroute's version and the llama.cpp build its
+        workers load (probed once, in a child process: the gateway never loads llama.cpp)."""
+        if self._build is None:  # one probe, however many ask at once
+            self._build = asyncio.ensure_future(asyncio.to_thread(views.llama_build))
+        return {"version": __version__, **await asyncio.shield(self._build)}
 
     def dashboard(self, everyone: bool = True) -> dict[str, Any]:
         """``GET /dashboard/data``: what the router did lately, for the status page; the

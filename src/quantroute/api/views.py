@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from quantroute.engines.base import PromptCacheStats
-from quantroute.errors import NotFoundError
+from quantroute.engines.llamacpp_build import probe_build
+from quantroute.errors import EngineError, NotFoundError
 from quantroute.observability.metrics import BranchSample, DeviceSample, ModelSample
 from quantroute.quality.profile import BranchProfile
 from quantroute.resilience import OPEN, BreakerState, Tenant
@@ -324,3 +326,14 @@ class MetricsView:
 
 def metrics_text(gateway: Gateway) -> bytes:
     return gateway.observer.render(MetricsView(gateway))
+
+
+def llama_build() -> dict[str, str]:
+    """The llama.cpp build the workers load, read by a child process (``probe_build``);
+    ``unknown`` where the probe fails (the reason is logged)."""
+    try:
+        b = probe_build()
+    except EngineError as exc:
+        logging.getLogger(__name__).warning("the llama.cpp build probe: %s", exc)
+        return {"llama_cpp": "unknown", "llama_cpp_python": "unknown"}
+    return {"llama_cpp": b.ggml_commit or "unknown", "llama_cpp_python": b.llama_cpp_python}

@@ -24,6 +24,7 @@ from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
 from quantroute.engines.llamacpp_build import BuildInfo, DecodeCheck, decode_check, probe_build
 from quantroute.engines.stops import StopMatcher
 from quantroute.engines.supervisor import RestartPolicy, WorkerSupervisor
+from quantroute.engines.template_pool import TemplatePool, close_default_pool
 
 __all__ = [
     "BuildInfo",
@@ -45,10 +46,12 @@ __all__ = [
     "SamplingParams",
     "StartEvent",
     "StopMatcher",
+    "TemplatePool",
     "TokenEvent",
     "TokenScores",
     "WorkerOptions",
     "WorkerSupervisor",
+    "close_default_pool",
     "decode_check",
     "describe_exit",
     "probe_build",

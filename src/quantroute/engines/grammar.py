@@ -28,13 +28,14 @@ import copy
 import importlib.util
 import json
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from functools import cache
 from types import ModuleType
 from typing import Any
 
-from quantroute.engines.pattern import SchemaError, pattern_in_json, pattern_size
+from quantroute.engines.pattern import SchemaError, pattern_in_json, pattern_size, spend
 
 __all__ = [
     "SURROGATES",
@@ -100,6 +101,7 @@ _MAX_SCHEMA_NODES = 2000
 _MAX_MINIMUM = 256  # minLength, minItems, a pattern's {n}
 _MAX_MAXIMUM = 512  # maxLength, maxItems, a pattern's {n,m} (llama.cpp refuses ~1000)
 _MAX_GRAMMAR_CHARS = 1 << 20
+_MAX_SCHEMA_CHARS = 1 << 20  # a request's schemas' JSON text, in all: checked before any work
 _MAX_GRAMMAR_RULES = 8192
 # Bounds on what llama.cpp's grammar sampler must follow at once. It keeps one stack per
 # way the text so far can be read, checks every candidate token against each, and dedups
@@ -144,6 +146,8 @@ def check_schema(schema: Any, where: str = "schema") -> None:
     for count, (path, node) in enumerate(_nodes(schema, where), 1):
         if count > _MAX_SCHEMA_NODES:
             raise SchemaError(f"{where} has more than {_MAX_SCHEMA_NODES} subschemas")
+        if not count % 64:
+            spend(where)
         if not isinstance(node, dict):
             raise SchemaError(f"{path} must be an object (a JSON schema)")
         for key in node:
@@ -250,13 +254,14 @@ def _counts(path: str, node: dict[str, Any]) -> None:
             raise SchemaError(f"{path}.{low} is more than {high}")
     pattern = node.get("pattern")
     if isinstance(pattern, str):
+        # first: it bounds the pattern's length, and refuses what is no regular expression
+        size, readings = pattern_size(f"{path}.pattern", pattern[1:-1])
         for low, high in _REPEAT.findall(pattern):
-            if int(low) > _MAX_MINIMUM or (high and int(high) > _MAX_MAXIMUM):
+            if _over(low, _MAX_MINIMUM) or (high and _over(high, _MAX_MAXIMUM)):
                 raise SchemaError(
                     f"{path}.pattern: a repetition count may be at most {_MAX_MINIMUM} "
                     f"(a minimum) or {_MAX_MAXIMUM} (a maximum)"
                 )
-        size, readings = pattern_size(f"{path}.pattern", pattern[1:-1])
         if size > _MAX_PATTERN_SIZE:
             raise SchemaError(
                 f"{path}.pattern may spell out at most {_MAX_PATTERN_SIZE} characters with "
@@ -267,6 +272,12 @@ def _counts(path: str, node: dict[str, Any]) -> None:
                 f"{path}.pattern may leave at most {_MAX_PATTERN_READINGS} positions open at "
                 "once (optional items in a row, each repetition of them multiplying)"
             )
+
+
+def _over(digits: str, limit: int) -> bool:
+    """Whether the count ``digits`` is over ``limit`` (read without ``int``'s digit limit:
+    a count of 5,000 digits is over, not an error)."""
+    return len(digits.lstrip("0")) > len(str(limit)) or int(digits) > limit
 
 
 def _target(root: Any, ref: str) -> Any:
@@ -408,6 +419,7 @@ def _convert(schemas: Sequence[tuple[str, Any]]) -> str:
     )
     try:
         for name, schema in schemas:
+            spend("the schema")  # between schemas: the converter itself cannot look
             prepared, refs = _prepared(copy.deepcopy(schema), name)
             resolved = converter.resolve_refs(prepared, name)
             for ref in refs:  # each definition's rule first: no other takes its name
@@ -467,38 +479,73 @@ def _rebased(schema: Any, base: str) -> Any:
 
 
 class _Memo:
-    """The grammars of the last schemas seen, by their JSON text, within ``budget``
-    characters (keys and grammars): a client sends the same schema on every request, and
-    checking and converting it again took 0.2-0.7 ms of the event loop each time. A
-    schema that fails is not kept (its check is bounded, and cheap)."""
+    """What the last schemas seen made, by their JSON text, within ``budget`` characters
+    (keys, grammars and refusals): a client sends the same schema on every request, and
+    checking and converting it again took 0.2-0.7 ms each time; a schema that is refused
+    is refused again from here, without its work (a client that sends a costly one again
+    and again costs a lookup). Threads share it (schemas are compiled in threads)."""
 
     def __init__(self, budget: int):
         self._budget = budget
         self._used = 0
-        self._grammars: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+        self._grammars: OrderedDict[str, str | _Refused] = OrderedDict()
 
     def get(self, key: str, build: Callable[[], str]) -> str:
-        grammar = self._grammars.get(key)
-        if grammar is not None:
-            self._grammars.move_to_end(key)
-            return grammar
-        grammar = build()
-        size = len(key) + len(grammar)
-        if size <= self._budget // 4:  # one huge schema does not flush the rest
-            self._grammars[key] = grammar
+        with self._lock:
+            kept = self._grammars.get(key)
+            if kept is not None:
+                self._grammars.move_to_end(key)
+        if isinstance(kept, _Refused):
+            raise SchemaError(kept.message)
+        if kept is not None:
+            return kept
+        try:
+            grammar = build()
+        except ValueError as exc:  # SchemaError, or a value no check foresaw: a 400 either way
+            message = str(exc) if isinstance(exc, SchemaError) else _UNCONVERTIBLE
+            self._keep(key, _Refused(message), len(message))
+            raise SchemaError(message) from None
+        self._keep(key, grammar, len(grammar))
+        return grammar
+
+    def _keep(self, key: str, value: str | _Refused, size: int) -> None:
+        size += len(key)
+        if size > self._budget // 4:  # one huge schema does not flush the rest
+            return
+        with self._lock:
+            if key in self._grammars:  # another thread built it meanwhile
+                return
+            self._grammars[key] = value
             self._used += size
             while self._used > self._budget:
                 old_key, old = self._grammars.popitem(last=False)
-                self._used -= len(old_key) + len(old)
-        return grammar
+                self._used -= len(old_key) + len(old.message if isinstance(old, _Refused) else old)
 
 
+class _Refused:
+    """A schema's refusal, as the memo keeps it."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+_UNCONVERTIBLE = "the schema cannot be turned into a grammar"
 _MEMO = _Memo(budget=16 << 20)
 
 
-def _key(*parts: Any) -> str:
-    """JSON text of ``parts``, order kept (a schema's property order is its grammar's)."""
-    return json.dumps(parts, separators=(",", ":"), allow_nan=True)
+def _key(where: str, *parts: Any) -> str:
+    """JSON text of ``parts``, order kept (a schema's property order is its grammar's);
+    refused past :data:`_MAX_SCHEMA_CHARS`, before any other work."""
+    try:
+        key = json.dumps(parts, separators=(",", ":"), allow_nan=True)
+    except (TypeError, ValueError, RecursionError):
+        raise SchemaError(f"{where} must be JSON values") from None
+    if len(key) > _MAX_SCHEMA_CHARS:
+        raise SchemaError(f"{where} may be at most {_MAX_SCHEMA_CHARS >> 10} KiB of JSON")
+    return key
 
 
 def schema_grammar(schema: Any, where: str = "json_schema.schema") -> str:
@@ -508,13 +555,13 @@ def schema_grammar(schema: Any, where: str = "json_schema.schema") -> str:
         check_schema(schema, where)
         return _convert([("", schema)])
 
-    return _MEMO.get(_key("schema", schema), build)
+    return _MEMO.get(_key(where, "schema", where, schema), build)  # its words name where
 
 
 def tool_call_grammar(functions: Sequence[tuple[str, Any]], *, parallel: bool) -> str:
     """Tool calls to one of ``functions`` (``(name, parameters schema)``), in the default
     format; with ``parallel``, one or more of them."""
-    key = _key("tools", parallel, [[name, params] for name, params in functions])
+    key = _key("tools", "tools", parallel, [[name, params] for name, params in functions])
     return _MEMO.get(key, lambda: _tool_call_grammar(functions, parallel=parallel))
 
 

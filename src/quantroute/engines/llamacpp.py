@@ -17,6 +17,14 @@ timeout (``WorkerOptions.gen_idle_timeout_s`` between a generation's events,
 gets ``EngineError`` (code ``engine_timeout``), and if the worker has sent
 nothing at all for that long it is abandoned too. Commands are written with
 ``drain()``, within the same timeouts.
+
+A worker loads only the bytes that were verified (``registry.verified``):
+before each spawn the engine opens its file and checks the descriptor
+against the verification (a file that changed is refused: the branch fails
+in words), the worker loads that descriptor (``/proc/self/fd/N``), and the
+engine keeps it open while the worker lives, to find a rewrite in place
+(:meth:`LlamaCppEngine.file_moved`). The worker's environment is built from
+an allowlist (:func:`worker_env`): no key or token of the gateway's reaches it.
 """
 
 from __future__ import annotations
@@ -51,11 +59,13 @@ from quantroute.engines.base import (
     TokenEvent,
     TokenScores,
 )
+from quantroute.engines.environment import worker_env
 from quantroute.engines.exchange_timer import ExchangeTimer
 from quantroute.engines.exits import describe_exit
 from quantroute.engines.inbox import Inbox
-from quantroute.engines.supervisor import RestartPolicy, WorkerSupervisor
+from quantroute.engines.supervisor import Launch, RestartPolicy, WorkerSupervisor
 from quantroute.errors import (
+    ArtifactIntegrityError,
     ContextLengthExceededError,
     DeviceOutOfMemoryError,
     EngineCrashedError,
@@ -63,6 +73,7 @@ from quantroute.errors import (
     EngineUnavailableError,
     InvalidRequestError,
 )
+from quantroute.registry.verified import VerifiedFile
 from quantroute.types import Offload
 
 log = logging.getLogger(__name__)
@@ -79,6 +90,12 @@ STREAM_HIGH_WATER = 64
 STREAM_LOW_WATER = 16
 EXIT_GRACE_S = 5.0
 """How long a worker that closed its output may take to exit before it is killed."""
+
+def _close_opened(opening: asyncio.Future[tuple[int, VerifiedFile]]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        with contextlib.suppress(OSError):
+            os.close(opening.result()[0])
+
 
 # Read by the gateway only; not passed to the worker.
 _GATEWAY_ONLY = frozenset({"start_timeout_s", "gen_idle_timeout_s", "score_timeout_s", "gpu"})
@@ -136,9 +153,10 @@ class WorkerOptions:
         return argv
 
     def env(self) -> dict[str, str]:
-        """The worker's environment: the gateway's, with the GPU it may see (NVML's order,
-        so ``cuda:N`` is the same device for both), or none on the CPU."""
-        env = dict(os.environ)
+        """The worker's environment: the gateway's allowlisted part (:func:`worker_env`),
+        with the GPU it may see (NVML's order, so ``cuda:N`` is the same device for
+        both), or none on the CPU."""
+        env = worker_env(os.environ)
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = "" if self.gpu is None else str(self.gpu)
         return env
@@ -155,10 +173,14 @@ class LlamaCppEngine:
         policy: RestartPolicy,
         *,
         listener: EngineListener | None = None,
+        verified: VerifiedFile | None = None,
     ):
         self.name = name
         self._listener = listener
         self._model_path = model_path
+        # the file as verified (None: a file nothing verified, tests' own; loaded by path)
+        self._verified = verified
+        self._model_fd: int | None = None  # the open file the current worker loaded
         self._options = options
         self._info: EngineInfo | None = None
         self._ready = False
@@ -182,6 +204,7 @@ class LlamaCppEngine:
             on_failed=self._on_failed,
             policy=policy,
             env=options.env(),
+            prepare=self._prepare if verified is not None else None,
         )
 
     @property
@@ -259,9 +282,53 @@ class LlamaCppEngine:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
+        self._release_file()
         self._fail_all(EngineUnavailableError(f"branch {self.name} is shutting down"))
 
+    def file_moved(self) -> str | None:
+        """Why the file the running worker loaded is no longer the verified one (it was
+        rewritten in place), in words; ``None`` while it holds or no worker runs. A
+        reload asks every engine; a branch whose file moved is killed, and its restart
+        refuses the file (:meth:`_prepare`)."""
+        fd, verified = self._model_fd, self._verified
+        if fd is None or verified is None:
+            return None
+        return verified.moved(fd)
+
+    def refuse(self, cause: str) -> None:
+        """Kill the running worker because its file is no longer the verified one; the
+        supervisor restarts it only through :meth:`_prepare`'s check."""
+        log.error("%s: %s", self.name, cause)
+        self._supervisor.kill(cause)
+
     # -- worker lifecycle -----------------------------------------------------
+
+    async def _prepare(self) -> Launch:
+        """Before each spawn: open the file and prove it holds the verified bytes (in a
+        thread: it may read the whole file); the worker loads that descriptor."""
+        assert self._verified is not None
+        self._release_file()
+        opening = asyncio.ensure_future(asyncio.to_thread(self._verified.open))
+        try:
+            fd, self._verified = await asyncio.shield(opening)
+        except asyncio.CancelledError:  # a stop during the check: close what it opens
+            opening.add_done_callback(_close_opened)
+            raise
+        self._model_fd = fd
+        argv = self._options.argv(Path(f"/proc/self/fd/{fd}"))
+        return Launch(tuple(argv), (fd,))
+
+    def _release_file(self) -> None:
+        fd, self._model_fd = self._model_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _check_loaded(self) -> None:
+        """The file did not change while the worker loaded it (see ``registry.verified``)."""
+        moved = self.file_moved()
+        if moved is not None:
+            raise ArtifactIntegrityError(moved)
 
     async def _on_start(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
@@ -272,6 +339,7 @@ class LlamaCppEngine:
         hello = json.loads(line)
         if hello.get("ev") != "ready":
             raise EngineError(f"{self.name}: worker sent {hello.get('ev')!r} before 'ready'")
+        self._check_loaded()
         self._info = EngineInfo(**hello["info"])
         self._last_line_at = time.monotonic()
         self._owed.clear()
@@ -304,6 +372,7 @@ class LlamaCppEngine:
     def _on_exit(self, returncode: int) -> None:
         self._ready = False
         self._accepting = False
+        self._release_file()
         cause = describe_exit(returncode)
         if self._abandoned is not None and returncode == -signal.SIGKILL:
             cause = f"killed by the gateway: {self._abandoned}"

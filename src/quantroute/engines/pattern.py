@@ -12,18 +12,30 @@ happen here first:
   the *JSON text* of the values it matches: a class's ``"``, ``\\`` and control
   characters become their escapes, a literal ``"`` becomes ``\\"``.
 
-:class:`SchemaError` is defined here, for both modules raise it.
+:class:`SchemaError` is defined here, for both modules raise it, and the CPU budget
+their checks keep to (:func:`cpu_budget`, :func:`spend`): they run in a thread, which
+cannot be stopped from outside, so they look at the clock themselves.
 """
 
 from __future__ import annotations
 
 import array
+import math
 import re
+import string
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import cache
 
 _MAX_PATTERN_ALTERNATIVES = 256  # a pattern's branches: one more than its "|", in all
+#: A pattern's characters: every one is read several times over (a class of 260,000 of
+#: them held the event loop for two minutes); real patterns are far shorter.
+MAX_PATTERN_CHARS = 8192
+_CHECK_EVERY = 256  # loop steps between two looks at the clock (each is a system call)
+_DEADLINE: ContextVar[float] = ContextVar("quantroute_schema_deadline", default=math.inf)
 
 
 class SchemaError(ValueError):
@@ -33,6 +45,26 @@ class SchemaError(ValueError):
     of JSON Schema's, a property (or a ``$defs`` entry) by its position among its
     siblings (``schema.properties[2]``, from 0), never by its name, and a value never.
     """
+
+
+@contextmanager
+def cpu_budget(seconds: float) -> Iterator[None]:
+    """Within it, :func:`spend` raises once this thread has used ``seconds`` of CPU time.
+    CPU time, not wall time: a schema's cost is its own, whatever else the machine does,
+    so a refusal for it may be remembered like any other."""
+    token = _DEADLINE.set(time.thread_time() + seconds)
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def spend(where: str) -> None:
+    """Raise :class:`SchemaError` when this thread's :func:`cpu_budget` is spent (never
+    outside one). Loops call it every so many steps."""
+    deadline = _DEADLINE.get()
+    if deadline != math.inf and time.thread_time() > deadline:
+        raise SchemaError(f"{where} takes longer to check than this server allows")
 
 
 # A pattern's item as the sampler meets it: (characters once expanded, positions it may
@@ -75,15 +107,20 @@ def pattern_size(where: str, body: str) -> tuple[int, int]:
     their item once, a group its branches together) and how many positions may be open
     at once (its readings: a run of items that can each match nothing, as in
     ``(a?){256}``, keeps them all open; a class written both raw and escaped in JSON,
-    as ``.`` and ``[^a]`` are, counts twice). Refuse more than so many ``|``, what is no
-    regular expression (an unbalanced bracket, a quantifier of nothing, ``{n,m}`` with
-    n > m) and a ``|`` outside parentheses, which the converter would join to the
-    string's quotes."""
+    as ``.`` and ``[^a]`` are, counts twice). Refuse a pattern over
+    :data:`MAX_PATTERN_CHARS`, more than so many ``|``, what is no regular expression (an
+    unbalanced bracket, a quantifier of nothing, ``{n,m}`` with n > m) and a ``|`` outside
+    parentheses, which the converter would join to the string's quotes."""
+    if len(body) > MAX_PATTERN_CHARS:  # before any work: each step below reads it again
+        raise SchemaError(f"{where} may be at most {MAX_PATTERN_CHARS} characters long")
     # per open group: its finished branches, and the items of the branch being read
     groups: list[tuple[list[_Item], list[_Item]]] = [([], [])]
-    bars = 0
+    bars = steps = 0
     i, n = 0, len(body)
     while i < n:
+        steps += 1
+        if not steps % _CHECK_EVERY:
+            spend(where)
         c = body[i]
         branches, items = groups[-1]
         if c in "*+?{":
@@ -257,7 +294,7 @@ def _escape(where: str, text: str, i: int) -> tuple[int | str, int]:
         return _CONTROL_ESCAPES[e], i + 2
     digits = {"u": 4, "x": 2}.get(e, 0)
     code = text[i + 2 : i + 2 + digits]
-    if digits and re.fullmatch(f"[0-9A-Fa-f]{{{digits}}}", code):
+    if digits and len(code) == digits and all(h in string.hexdigits for h in code):
         if 0xD800 <= int(code, 16) <= 0xDFFF:  # half a character: no UTF-8 text holds it
             raise SchemaError(f"{where}: a \\u escape of a surrogate is not supported")
         return int(code, 16), i + 2 + digits
@@ -273,6 +310,7 @@ def _bracket(where: str, text: str, i: int) -> tuple[_Ranges, int]:
     negated = text.startswith("^", i)
     i += negated
     held: _Ranges = []
+    letters: set[str] = set()  # class escapes seen: a negated \d adds 60-odd ranges, once
     while i < len(text) and text[i] != "]":
         first, i = _escape(where, text, i) if text[i] == "\\" else (ord(text[i]), i + 1)
         if text.startswith("-", i) and text[i + 1 : i + 2] not in ("", "]"):
@@ -283,7 +321,9 @@ def _bracket(where: str, text: str, i: int) -> tuple[_Ranges, int]:
                 raise SchemaError(f"{where}: a range (a-z) needs two characters, in order")
             held.append((first, last))
         elif isinstance(first, str):
-            held += _class_escape(first, at_most=negated)
+            if first not in letters:
+                letters.add(first)
+                held += _class_escape(first, at_most=negated)
         else:
             held.append((first, first))
     if i >= len(text):
@@ -369,8 +409,11 @@ def pattern_in_json(where: str, pattern: str) -> str:
     (``[^\\s\\S]``) are a :class:`SchemaError`."""
     body = pattern[1:-1]
     out: list[str] = []
-    i = 0
+    i = steps = 0
     while i < len(body):
+        steps += 1
+        if not steps % _CHECK_EVERY:
+            spend(where)
         c = body[i]
         if c == "[":
             chars, i = _bracket(where, body, i)

@@ -15,6 +15,18 @@ SIGILL at its first decode; restarting it forever helps no one),
 slows to one try every ``failed_retry_s``. A run is healthy once the engine
 calls :meth:`WorkerSupervisor.note_healthy` or once it has lasted
 ``stable_after_s``; being ready is not enough.
+
+Before each spawn the owner's ``prepare`` (if any) says what to run: the argv
+and the descriptors the worker inherits (``Launch``: the engine's model file,
+opened and checked, ``registry.verified``). A ``prepare`` or a start that
+raises :class:`~quantroute.errors.ArtifactIntegrityError` is a *refusal*: the
+file is not the verified one, and no retry would change that, so the
+supervisor is failed at once, in those words (a ``failed_retry_s`` retry checks
+again).
+
+Every path that ends a loop resolves the start a caller waits for: a loop task
+cancelled before it ran (a stop right after a start) never reaches its own
+``finally``, so :meth:`WorkerSupervisor._end_loop` resolves it too.
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from quantroute.engines.exits import crashed, describe_exit
-from quantroute.errors import EngineCrashedError, EngineUnavailableError
+from quantroute.errors import ArtifactIntegrityError, EngineCrashedError, EngineUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +63,15 @@ class RestartPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class Launch:
+    """What one spawn runs: ``argv``, and ``pass_fds``, descriptors the worker inherits
+    (the caller keeps and closes its own copies)."""
+
+    argv: tuple[str, ...]
+    pass_fds: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class _Ended:
     """How one run ended: the exit status, and the start's error if it never got ready."""
 
@@ -58,6 +79,11 @@ class _Ended:
     start_error: Exception | None = None
     killed: bool = False  # the start failed with the process running: we killed it
     killed_because: str | None = None  # its owner killed it (:meth:`WorkerSupervisor.kill`)
+
+    @property
+    def refused(self) -> bool:
+        """Its file was not the verified one: no retry helps (see the module docstring)."""
+        return isinstance(self.start_error, ArtifactIntegrityError)
 
     @property
     def failed(self) -> bool:
@@ -68,6 +94,8 @@ class _Ended:
             return f"killed by the gateway: {self.killed_because}"
         if self.start_error is None:
             return describe_exit(self.code)
+        if self.refused:
+            return str(self.start_error)
         if crashed(self.code) and not (self.killed and self.code == -signal.SIGKILL):
             return describe_exit(self.code)  # it died of a signal while starting: that is why
         words = str(self.start_error) or type(self.start_error).__name__
@@ -81,7 +109,8 @@ class WorkerSupervisor:
 
     ``on_start(process)`` is awaited after each spawn and must return once the
     worker is ready (or raise); ``on_exit(returncode)`` runs whenever a worker
-    goes away other than by :meth:`stop` (a failed start included);
+    goes away other than by :meth:`stop` (a failed start included; a file
+    ``prepare`` refused spawns no worker, and only ``on_failed`` is told);
     ``on_failed(failure)`` runs once each time the supervisor becomes failed.
 
     Example::
@@ -104,10 +133,12 @@ class WorkerSupervisor:
         policy: RestartPolicy,
         env: dict[str, str] | None = None,
         on_failed: Callable[[str], None] | None = None,
+        prepare: Callable[[], Awaitable[Launch]] | None = None,
     ):
         self.name = name
         self.argv = list(argv)  # read at each spawn: a change applies from the next one
         self.env = env
+        self._prepare = prepare
         self._on_start = on_start
         self._on_exit = on_exit
         self._on_failed = on_failed
@@ -212,6 +243,9 @@ class WorkerSupervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        # a task cancelled before its first step never runs _supervise's ``finally``:
+        # whoever waits for this loop's first start must not wait for ever
+        self._resolve_first(EngineUnavailableError("stopped before the worker was ready"))
 
     async def _kill_current(self) -> None:
         proc = self.process
@@ -229,7 +263,8 @@ class WorkerSupervisor:
                 if self._stopping:
                     return
                 self._running = False
-                self._on_exit(ended.code)
+                if self.process is not None or not ended.refused:  # a refusal spawns nothing
+                    self._on_exit(ended.code)
                 delay = self._count(ended)
                 if delay is None:
                     return
@@ -243,12 +278,14 @@ class WorkerSupervisor:
         self._healthy = False
         self._kill_cause = None
         try:
+            launch = await self._prepare() if self._prepare is not None else Launch(())
             self.process = proc = await asyncio.create_subprocess_exec(
-                *self.argv,
+                *(launch.argv or self.argv),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 env=self.env,
                 limit=1 << 24,
+                pass_fds=launch.pass_fds,
             )
             self._running = True
             await self._start(proc)
@@ -299,7 +336,9 @@ class WorkerSupervisor:
             self._failures += 1
             cause = ended.cause()
             self._causes.add(cause)
-            if 0 < policy.max_crashes <= self._failures:
+            if ended.refused:
+                self._fail(cause, refused=True)
+            elif 0 < policy.max_crashes <= self._failures:
                 self._fail(cause)
         if self.failure is None:
             delay = policy.delay(self._failures)
@@ -320,13 +359,13 @@ class WorkerSupervisor:
             return policy.failed_retry_s
         return None
 
-    def _fail(self, cause: str) -> None:
+    def _fail(self, cause: str, *, refused: bool = False) -> None:
         n = self._failures
         times = "once" if n == 1 else f"{n} times in a row"
         if len(self._causes) > 1:
             times = f"the last of {n} failures in a row"
         already = self.failure is not None
-        self.failure = f"{cause} ({times})"
+        self.failure = cause if refused else f"{cause} ({times})"
         if already:  # a slow retry failed again: the words stay current, the alarm once
             return
         retry = (

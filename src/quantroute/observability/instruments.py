@@ -16,7 +16,13 @@ metric                                         type       labels
 ``quantroute_hot_reloads_total``               counter    outcome
 ``quantroute_prompt_cache_hit_tokens_total``   counter    model, branch
 ``quantroute_gc_pause_seconds``                histogram  generation
+``quantroute_event_loop_lag_seconds``          histogram  (none)
+``quantroute_event_loop_lag_max_seconds``      gauge      (none)
 =============================================  =========  =================================
+
+The same requests under the OpenTelemetry GenAI conventions' names
+(``gen_ai_server_time_to_first_token_seconds`` and the rest) are re-labelled from these at
+scrape time (``genai.py``).
 
 ``status`` is the HTTP status of the answer (``200``, ``429``, ``503``...), ``499``
 when the client left first, and ``502`` for a stream that ended in an engine
@@ -25,7 +31,8 @@ when none did. A fallback's ``to`` is ``none`` when no branch was left to try.
 The prompt-cache hit rate of a branch is
 ``rate(quantroute_prompt_cache_hit_tokens_total) / rate(quantroute_prompt_tokens_total)``.
 A garbage collection in the gateway's process stops its event loop, every stream with it:
-``quantroute_gc_pause_seconds`` times each (``generation`` 2 is a full one).
+``quantroute_gc_pause_seconds`` times each (``generation`` 2 is a full one). Anything
+else that holds the loop shows in ``quantroute_event_loop_lag_seconds`` (``loop_lag.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from quantroute.observability.genai import GenAiView
+from quantroute.observability.loop_lag import LoopLag
 
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -151,7 +161,7 @@ class Instruments:
     find their series with one dict lookup (the label values are bounded: route and
     branch names, tenants, statuses, reasons; never a client's free text)."""
 
-    def __init__(self) -> None:
+    def __init__(self, loop_lag_interval_s: float = 0.01) -> None:
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
         self.registry = r = CollectorRegistry()
         req = ["model", "branch", "tenant"]
@@ -178,6 +188,8 @@ class Instruments:
         r.register(self.token_gaps)
         self.gc_pauses = GcPauses()  # counting once the gateway starts (Observer.start)
         r.register(self.gc_pauses)
+        self.loop_lag = LoopLag(loop_lag_interval_s)  # sampling once the gateway starts
+        r.register(self.loop_lag)
         self.duration = Histogram(
             "quantroute_request_duration_seconds",
             "Request arrival to its last token or error.",
@@ -229,6 +241,9 @@ class Instruments:
             ["model", "branch"],
             registry=r,
         )
+        # the GenAI conventions' names, re-labelled from the families above at scrape time
+        genai = (self.ttft, self.token_gaps, self.duration, self.prompt_tokens)
+        r.register(GenAiView((*genai, self.completion_tokens)))
 
     def of(self, family: Counter | Histogram, *values: str) -> Any:
         key = (family._name, values)

@@ -118,7 +118,7 @@ class Observer:
         served: Callable[[str], bool] = lambda _model: True,
     ):
         self.settings = settings
-        self.instruments = Instruments()
+        self.instruments = Instruments(settings.loop_lag_interval_s)
         self.tracing = tracing if tracing is not None else Tracing.from_settings(settings)
         self.recent = RecentRequests(settings.recent_decisions)
         self.device_of = device_of  # a branch's device, for its spans
@@ -181,9 +181,12 @@ class Observer:
         return self.recent.summary(time.time())
 
     def start(self) -> None:
-        """Start what counts on its own (the collector's pauses)."""
+        """Start what counts on its own (the collector's pauses, the event loop's lag: the
+        running loop's, so from inside it)."""
         self.instruments.gc_pauses.install()
+        self.instruments.loop_lag.start()
 
     def shutdown(self) -> None:
+        self.instruments.loop_lag.stop()
         self.instruments.gc_pauses.uninstall()
         self.tracing.shutdown()

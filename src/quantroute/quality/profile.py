@@ -22,10 +22,16 @@ A profile describes one exact file: when a branch's file changes (its sha256
 no longer matches), its profile is stale and :func:`load_profiles` drops it
 with a warning; when the reference's file changes, every quality number was
 measured against something else, and all of them are dropped.
+
+Under ``repository.require_signatures`` a profile counts only if the model's
+signature covers ``profile.json`` (profile, then sign: ``registry.signing``)
+and the bytes read are the ones it verified (``Trust``); otherwise it is
+ignored, with a warning, and the model routes as if unprofiled.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import tempfile
@@ -180,13 +186,34 @@ def write_profile(model_dir: Path, profile: ProfileFile) -> Path:
     return path
 
 
-def read_profile(model_dir: Path) -> ProfileFile:
-    """Parse ``model_dir/profile.json``: ``OSError`` or pydantic ``ValidationError`` if bad."""
-    return ProfileFile.model_validate_json((model_dir / PROFILE_NAME).read_bytes())
+@dataclass(frozen=True, slots=True)
+class Trust:
+    """Which ``profile.json`` may be used: with ``required`` (``require_signatures``),
+    only one whose bytes have ``signed_sha256``, the digest the model's signature
+    verified for it (``None``: the signature does not cover it)."""
+
+    required: bool = False
+    signed_sha256: str | None = None
+
+
+class UnsignedProfileError(ValueError):
+    """``profile.json`` is not the signed one, where signatures are required."""
+
+
+def read_profile(model_dir: Path, trust: Trust | None = None) -> ProfileFile:
+    """Parse ``model_dir/profile.json``: ``OSError`` or pydantic ``ValidationError`` if bad,
+    :class:`UnsignedProfileError` if ``trust`` requires a signed one and it is not."""
+    data = (model_dir / PROFILE_NAME).read_bytes()
+    if trust is not None and trust.required:
+        if trust.signed_sha256 is None:
+            raise UnsignedProfileError("the model's signature does not cover it")
+        if hashlib.sha256(data).hexdigest() != trust.signed_sha256:
+            raise UnsignedProfileError("it changed after its signature was verified")
+    return ProfileFile.model_validate_json(data)
 
 
 def load_profiles(
-    model_dir: Path, artifacts: Sequence[BranchArtifact]
+    model_dir: Path, artifacts: Sequence[BranchArtifact], trust: Trust | None = None
 ) -> tuple[dict[str, BranchProfile | None], list[str]]:
     """Each verified branch's profile, or ``None`` where there is no valid one, and warnings.
 
@@ -195,21 +222,26 @@ def load_profiles(
     sha256 is not in ``profile.json`` gets ``None`` (and a warning saying
     whether its file changed or it was never profiled). If the reference's
     file changed, or the file is missing or unreadable, every branch gets
-    ``None``. Never raises for a bad profile: routing falls back to precision
-    rank, and the warnings say why.
+    ``None``, and so does every branch when ``trust`` requires a signed profile
+    and this one is not. Never raises for a bad profile: routing falls back to
+    precision rank, and the warnings say why.
     """
     result: dict[str, BranchProfile | None] = {a.name: None for a in artifacts}
     if not artifacts:
         return result, []
     model = artifacts[0].model
-    path = model_dir / PROFILE_NAME
     try:
-        doc = read_profile(model_dir)
+        doc = read_profile(model_dir, trust)
     except FileNotFoundError:
         return result, [f"{model}: no {PROFILE_NAME}; run `quantroute profile` to measure it"]
+    except UnsignedProfileError as exc:
+        return result, [
+            f"{model}: {PROFILE_NAME} is ignored: {exc} (repository.require_signatures); "
+            "the model routes as if unprofiled until it is signed with the model"
+        ]
     except (OSError, ValidationError, ValueError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "it does not match the schema"
-        return result, [f"{model}: {path} is ignored: {reason}"]
+        return result, [f"{model}: {PROFILE_NAME} is ignored: {reason}"]
 
     if doc.model != model:
         return result, [f"{model}: {PROFILE_NAME} describes model {doc.model!r}; ignored"]
@@ -250,13 +282,15 @@ def load_profiles(
     return result, warnings
 
 
-def stale_profiles(model_dir: Path, artifacts: Sequence[BranchArtifact]) -> frozenset[str]:
+def stale_profiles(
+    model_dir: Path, artifacts: Sequence[BranchArtifact], trust: Trust | None = None
+) -> frozenset[str]:
     """The branches whose profile measured another file than theirs (replaced since it
     was profiled; or, when the reference's file changed, every profiled branch). Such
     a branch is unprofiled (:func:`load_profiles` gives it ``None``) and reported
     *stale* until ``quantroute profile`` runs again."""
     try:
-        doc = read_profile(model_dir)
+        doc = read_profile(model_dir, trust)
     except (OSError, ValidationError, ValueError):
         return frozenset()
     if not artifacts or doc.model != artifacts[0].model:

@@ -1,4 +1,5 @@
-"""Model repositories: manifests, artifact verification, signatures, scanning, watching."""
+"""Model repositories: manifests, artifact verification, signatures, scanning, watching,
+and the verified file a worker is handed (``verified``)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from quantroute.registry.manifest import (
 )
 from quantroute.registry.repository import ModelEntry, RepositoryScan, scan_model, scan_repository
 from quantroute.registry.signing import SIGNATURE_NAME, TrustPolicy, sign_model, verify_model
+from quantroute.registry.verified import VerifiedFile
 from quantroute.registry.watcher import is_temporary, watch_repository
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "RepositoryScan",
     "TrafficRule",
     "TrustPolicy",
+    "VerifiedFile",
     "VersionSpec",
     "check_artifacts",
     "check_gguf",

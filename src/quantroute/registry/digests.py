@@ -39,14 +39,45 @@ def sha256_file(path: Path, chunk_bytes: int = 4 << 20) -> str:
     return digest.hexdigest()
 
 
-def identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+def sha256_fd(fd: int, chunk_bytes: int = 4 << 20) -> str:
+    """The sha256 of the file open as ``fd``, read with ``pread`` (its offset untouched):
+    the bytes of that inode, whatever name the path has meanwhile."""
+    digest = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, chunk_bytes, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
+
+
+Identity = tuple[int, int, int, int, int]
+
+
+def identity(st: os.stat_result) -> Identity:
     """What changes whenever a file's bytes may have: device, inode, size, mtime, ctime."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+def settled(st: os.stat_result, read_at_ns: int) -> bool:
+    """Whether a read that started at ``read_at_ns`` saw a file still for :data:`RACY_S`:
+    then a later write moves its mtime or ctime, and its identity alone tells."""
+    return read_at_ns - max(st.st_mtime_ns, st.st_ctime_ns) >= RACY_S * 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """One file's sha256 and the identity it had while read; ``settled``: see
+    :func:`settled`. ``identity`` is ``None`` when the file changed while it was read
+    (the digest is then of no one version of it)."""
+
+    sha256: str
+    identity: Identity | None
+    settled: bool
+
+
 @dataclass(frozen=True, slots=True)
 class _Known:
-    identity: tuple[int, int, int, int, int]
+    identity: Identity
     sha256: str
     settled: bool  # the file had been still for RACY_S when it was read
     scan: int
@@ -68,6 +99,10 @@ class Digests:
             self._known = {p: k for p, k in self._known.items() if k.settled}
 
     def sha256(self, path: Path) -> str:
+        return self.check(path).sha256
+
+    def check(self, path: Path) -> Checked:
+        """``path``'s sha256 with the identity the file had while it was read."""
         path = Path(path).resolve()
         before = path.stat()
         key = identity(before)
@@ -75,14 +110,14 @@ class Digests:
             known = self._known.get(path)
             fresh = known is not None and (known.settled or known.scan == self._scan)
             if known is not None and fresh and known.identity == key:
-                return known.sha256
+                return Checked(known.sha256, key, known.settled)
         started = time.time_ns()
         digest = sha256_file(path)
         after = identity(path.stat())
         with self._lock:
             self.reads += 1
-            if after == key:  # not changed while it was read
-                last_change = max(before.st_mtime_ns, before.st_ctime_ns)
-                settled = started - last_change >= RACY_S * 1e9
-                self._known[path] = _Known(key, digest, settled, self._scan)
-        return digest
+            if after != key:  # changed while it was read
+                return Checked(digest, None, False)
+            still = settled(before, started)
+            self._known[path] = _Known(key, digest, still, self._scan)
+        return Checked(digest, key, still)

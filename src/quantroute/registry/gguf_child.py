@@ -1,6 +1,8 @@
 """The child process of :func:`quantroute.registry.gguf_check.check_gguf_isolated`:
 its limits first, then :func:`~quantroute.registry.gguf_check.check_gguf` of each
-file named on the command line; a JSON list of reasons (``null``: sound) on stdout."""
+file named on the command line, its wanted metadata kept; on stdout a JSON list
+with, per file, the reason it is refused (a string) or its summary (an object:
+:class:`~quantroute.registry.gguf_check.GgufSummary`'s fields)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,15 @@ import json
 import resource
 import sys
 from pathlib import Path
+from typing import Any
 
 from quantroute.errors import ArtifactIntegrityError
-from quantroute.registry.gguf_check import CHILD_MEMORY_BYTES, CHILD_TIMEOUT_S, check_gguf
+from quantroute.registry.gguf_check import (
+    CHILD_MEMORY_BYTES,
+    CHILD_TIMEOUT_S,
+    check_gguf,
+    summary_json,
+)
 
 
 def main(argv: list[str]) -> int:
@@ -20,11 +28,10 @@ def main(argv: list[str]) -> int:
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     cpu_s = int(CHILD_TIMEOUT_S) + 1
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-    found: list[str | None] = []
+    found: list[str | dict[str, Any]] = []
     for name in paths:
         try:
-            check_gguf(Path(name))
-            found.append(None)
+            found.append(summary_json(check_gguf(Path(name), metadata=True)))
         except ArtifactIntegrityError as exc:
             found.append(exc.message)
     sys.stdout.write(json.dumps(found))

@@ -31,12 +31,16 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from quantroute.errors import ArtifactIntegrityError, ManifestError
-from quantroute.registry.digests import Digests
+from quantroute.registry.digests import Digests, Identity, identity
 from quantroute.registry.digests import sha256_file as sha256_file  # its old home
 from quantroute.registry.gguf_check import check_gguf
+from quantroute.registry.verified import VerifiedFile
 from quantroute.types import Precision, versioned_name
 
 MANIFEST_NAME = "quantroute.yaml"
+MANIFEST_MAX_BYTES = 1 << 20  # a manifest is a few KiB; more is not one
+MANIFEST_MAX_NESTING = 64  # flow brackets ([ {) open at once; PyYAML recurses per level
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _URL = re.compile(r"^https?://[^\s/?#]+[^\s]*$")
@@ -231,7 +235,8 @@ class BranchArtifact:
     version: str | None = None
     url: str | None = None
     spec: BranchSpec | None = None
-    file_id: tuple[int, int, int] | None = None  # (device, inode, mtime_ns) when checked
+    file_id: Identity | None = None  # registry.digests.identity when its sha256 was read
+    settled: bool = False  # ... and the file had been still for RACY_S then
 
     @property
     def device(self) -> str | None:
@@ -240,14 +245,22 @@ class BranchArtifact:
 
     def replaced(self) -> bool:
         """The file at ``path`` is no longer the one that was checked (renamed over,
-        rewritten, removed): a worker must not load it unchecked."""
+        rewritten in place — its mtime set back or not: ctime and size tell —, removed):
+        a worker must not load it unchecked (``registry.verified``)."""
         if self.file_id is None:
             return False
         try:
             st = self.path.stat()
         except OSError:
             return True
-        return (st.st_dev, st.st_ino, st.st_mtime_ns) != self.file_id
+        return identity(st) != self.file_id
+
+    def verified(self) -> VerifiedFile | None:
+        """What a worker may load (``registry.verified``); ``None`` for a file that did
+        not pass its checks (or a remote branch)."""
+        if self.problem is not None or self.file_id is None or self.spec is None:
+            return None
+        return VerifiedFile(self.path, self.spec.file, self.sha256, self.file_id, self.settled)
 
     @property
     def route(self) -> str:
@@ -257,13 +270,37 @@ class BranchArtifact:
 
 def load_manifest(model_dir: Path) -> Manifest:
     """Parse and validate ``model_dir/quantroute.yaml``; a :class:`ManifestError` names
-    the file, the field and the problem (up to three of them)."""
-    path = model_dir / MANIFEST_NAME
+    the file (relative to the repository), the field and the problem (up to three)."""
+    return parse_manifest(model_dir, read_manifest(model_dir))
+
+
+def read_manifest(model_dir: Path) -> bytes:
+    """The bytes of ``model_dir/quantroute.yaml`` (read once: a signed model's are
+    compared with what its signature verified, ``registry.repository``)."""
     try:
-        raw = yaml.safe_load(path.read_text())
+        with (model_dir / MANIFEST_NAME).open("rb") as fh:
+            data = fh.read(MANIFEST_MAX_BYTES + 1)
     except OSError as exc:
-        raise ManifestError(f"cannot read {path}: {exc.strerror}") from exc
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ManifestError(
+            f"cannot read {model_dir.name}/{MANIFEST_NAME}: {exc.strerror}"
+        ) from exc
+    if len(data) > MANIFEST_MAX_BYTES:
+        raise ManifestError(
+            f"{model_dir.name}/{MANIFEST_NAME} is over {MANIFEST_MAX_BYTES >> 20} MiB"
+        )
+    return data
+
+
+def parse_manifest(model_dir: Path, data: bytes) -> Manifest:
+    """Validate ``data``, the manifest of ``model_dir`` (see :func:`load_manifest`)."""
+    path = f"{model_dir.name}/{MANIFEST_NAME}"  # never an absolute path: it is shown
+    if _nesting(data) > MANIFEST_MAX_NESTING:
+        raise ManifestError(f"{path} nests deeper than {MANIFEST_MAX_NESTING} levels")
+    try:
+        raw = yaml.safe_load(data.decode())
+    # ValueError: a date that is none, an integer past Python's digit limit;
+    # RecursionError: flow nesting past the recursion limit
+    except (yaml.YAMLError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ManifestError(f"{path} is not valid YAML") from exc
     if not isinstance(raw, dict):
         raise ManifestError(f"{path}: the manifest must be a mapping (model, reference, branches)")
@@ -273,6 +310,16 @@ def load_manifest(model_dir: Path) -> Manifest:
         raise ManifestError(
             f"{path}: " + "; ".join(_describe(e) for e in exc.errors()[:3])
         ) from exc
+
+
+def _nesting(data: bytes) -> int:
+    """The most flow brackets open at once, in one pass (quotes not parsed: a bracket in
+    a string counts too, which only a manifest of absurd strings would notice)."""
+    depth = deepest = 0
+    for byte in data.translate(None, _NOT_BRACKETS):
+        depth = depth + 1 if byte in b"[{" else max(depth - 1, 0)
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def _describe(error: Any) -> str:
@@ -290,17 +337,21 @@ def check_artifacts(
     timeout_s: float | None = None,
     memory_bytes: int | None = None,
     digests: Digests | None = None,
+    follow_links: bool = False,
 ) -> list[BranchArtifact]:
     """Every branch's file of ``version`` (``None``: the top-level branches), checked:
-    exists, matches its sha256 (read through ``digests``: see ``registry.digests``),
-    has a sound GGUF header (:func:`~quantroute.registry.gguf_check.check_gguf`; with
-    ``isolated``, in a child process bounded in time and memory). A bad file fails its
-    branch alone (``problem``); the reference comes first."""
+    exists, resolves inside ``model_dir`` (unless ``follow_links``), matches its sha256
+    (read through ``digests``: see ``registry.digests``), has a sound GGUF header
+    (:func:`~quantroute.registry.gguf_check.check_gguf`; with ``isolated``, in a child
+    process bounded in time and memory). A bad file fails its branch alone
+    (``problem``: in words, naming the file as the manifest does, never with its
+    digest); the reference comes first."""
     from quantroute.registry.gguf_check import check_gguf_isolated
 
     reference, branches = manifest.version_spec(version)
     tag = None if not manifest.versions else (version or manifest.version)
     label = versioned_name(manifest.model, tag)
+    folder = model_dir.resolve()
     artifacts = []
     headers: list[int] = []  # indices of the artifacts whose headers are to be checked
     for name, spec in branches.items():
@@ -310,26 +361,27 @@ def check_artifacts(
             continue
         path = (model_dir / spec.file).resolve()
         problem: str | None = None
-        digest, size = spec.sha256, 0
-        file_id: tuple[int, int, int] | None = None
-        if not path.is_file():
+        size, file_id, still = 0, None, False
+        if not follow_links and not path.is_relative_to(folder):
+            problem = (
+                f"{label}:{name}: file {spec.file} leads out of the model folder "
+                "(repository.follow_links is off)"
+            )
+        elif not path.is_file():
             problem = f"{label}:{name}: file {spec.file} is missing"
         else:
-            st = path.stat()
-            size, file_id = st.st_size, (st.st_dev, st.st_ino, st.st_mtime_ns)
-            digest = (digests or Digests()).sha256(path)
-            after = path.stat()
-            if (after.st_dev, after.st_ino, after.st_mtime_ns) != file_id:
+            checked = (digests or Digests()).check(path)
+            if checked.identity is None:
                 problem = f"{label}:{name}: {spec.file} changed while it was being checked"
-            elif digest != spec.sha256:
-                problem = (
-                    f"{label}:{name}: sha256 of {spec.file} is {digest[:12]}..., "
-                    f"the manifest says {spec.sha256[:12]}..."
-                )
+            elif checked.sha256 != spec.sha256:
+                # never the digest it has: the file may be any readable file (a link)
+                problem = f"{label}:{name}: {spec.file} does not match the manifest's sha256"
             else:
+                size, file_id, still = checked.identity[2], checked.identity, checked.settled
                 headers.append(len(artifacts))
-        local = _artifact(manifest, tag, name, spec, path, digest, size, reference, problem)
-        artifacts.append(replace(local, file_id=file_id))
+        # the declared sha256, whatever the file's is: a failed branch shows no digest of it
+        local = _artifact(manifest, tag, name, spec, path, spec.sha256, size, reference, problem)
+        artifacts.append(replace(local, file_id=file_id, settled=still))
     if headers:
         if isolated:
             limits: dict[str, Any] = {"timeout_s": timeout_s, "memory_bytes": memory_bytes}
@@ -342,7 +394,10 @@ def check_artifacts(
         for i, refused in zip(headers, found, strict=True):
             if refused is not None:
                 a = artifacts[i]
-                artifacts[i] = replace(a, problem=f"{label}:{a.name}: {a.path.name}: {refused}")
+                where = a.spec.file if a.spec is not None else a.path.name
+                artifacts[i] = replace(
+                    a, problem=f"{label}:{a.name}: {where}: {refused}", file_id=None
+                )
     artifacts.sort(key=lambda a: (not a.is_reference, a.precision.spec.rank, a.name))
     return artifacts
 

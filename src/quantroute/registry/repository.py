@@ -8,18 +8,21 @@ from serving.
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from quantroute.errors import ConfigError, ManifestError
+from quantroute.errors import ArtifactIntegrityError, ConfigError, ManifestError
 from quantroute.registry.digests import Digests
 from quantroute.registry.manifest import (
     MANIFEST_NAME,
     BranchArtifact,
     Manifest,
     check_versions,
-    load_manifest,
+    parse_manifest,
+    read_manifest,
 )
 from quantroute.registry.signing import TrustPolicy, verify_model
 
@@ -33,6 +36,8 @@ class ModelEntry:
     artifacts: tuple[BranchArtifact, ...]  # the top-level version's, reference first
     versions: tuple[tuple[BranchArtifact, ...], ...] = ()  # every version's, top-level first
     signature: str | None = None  # how its signature was checked ("verified by ..."), if it was
+    # the files its signature verified (relative path -> sha256); empty when unsigned
+    signed: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,11 +64,13 @@ def scan_repository(
     timeout_s: float | None = None,
     memory_bytes: int | None = None,
     digests: Digests | None = None,
+    follow_links: bool = False,
 ) -> RepositoryScan:
     """Every model of ``repo``: its manifest validated, its signature verified under
     ``trust``, every version's files checked (sha256, then the GGUF header in a
     bounded child process unless ``isolated`` is false). Each file is read once
-    (``digests``, kept across scans by a caller that scans again: ``registry.digests``)."""
+    (``digests``, kept across scans by a caller that scans again: ``registry.digests``).
+    ``follow_links``: a branch's file may resolve outside its model folder."""
     digests = digests or Digests()
     digests.begin()
     models: list[ModelEntry] = []
@@ -79,6 +86,7 @@ def scan_repository(
                 timeout_s=timeout_s,
                 memory_bytes=memory_bytes,
                 digests=digests,
+                follow_links=follow_links,
             )
             if entry.manifest.model in seen:
                 raise ManifestError(f"model {entry.manifest.model} is declared twice")
@@ -103,13 +111,23 @@ def scan_model(
     timeout_s: float | None = None,
     memory_bytes: int | None = None,
     digests: Digests | None = None,
+    follow_links: bool = False,
 ) -> ModelEntry:
     """One model folder, as :func:`scan_repository` checks it; raises
     :class:`ManifestError` (or its :class:`ArtifactIntegrityError`) for a bad manifest
-    or signature; a bad file is its branch's ``problem``."""
-    manifest = load_manifest(directory)
+    or signature; a bad file is its branch's ``problem``. A signed model's manifest is
+    parsed from the very bytes its signature verified (a manifest swapped between the
+    read and the check is refused)."""
+    data = read_manifest(directory)
+    manifest = parse_manifest(directory, data)
     digests = digests or Digests()
-    signature = verify_model(directory, trust or TrustPolicy(), digests)
+    signed: dict[str, str] = {}
+    signature = verify_model(directory, trust or TrustPolicy(), digests, signed=signed)
+    if signature is not None and signed.get(MANIFEST_NAME) != hashlib.sha256(data).hexdigest():
+        raise ArtifactIntegrityError(
+            f"{directory.name}: {MANIFEST_NAME} changed while it was being verified, or its "
+            "signature does not cover it"
+        )
     versions = check_versions(
         directory,
         manifest,
@@ -117,7 +135,13 @@ def scan_model(
         timeout_s=timeout_s,
         memory_bytes=memory_bytes,
         digests=digests,
+        follow_links=follow_links,
     )
     return ModelEntry(
-        directory, manifest, tuple(versions[0]), tuple(map(tuple, versions)), signature
+        directory,
+        manifest,
+        tuple(versions[0]),
+        tuple(map(tuple, versions)),
+        signature,
+        signed if signature is not None else {},
     )

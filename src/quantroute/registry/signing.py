@@ -12,13 +12,18 @@ A model folder is signed whole — its manifest and every file — into
   configured: ``--sigstore`` to sign, ``repository.sigstore_identity`` and
   ``repository.sigstore_issuer`` to verify. It needs the network.
 
-What is left out of the signature: the signature itself, and what
-``quantroute profile`` writes later (``profile.json``, ``profile.png``).
-Files not named in the signature are not hashed on verifying (a new file
-only matters once the signed manifest names it, and then the manifest
-changed). Verifying reads each file through the scan's
-:class:`~quantroute.registry.digests.Digests`, so the signature and the
-manifest's sha256s share one read of each file.
+What is left out of the signature: the signature itself and ``profile.png``
+(a picture nothing reads). ``profile.json`` decides quality routing, so it is
+signed with the model when it is there at signing (profile, then sign); one
+written after the signature is not named in it, and under
+``repository.require_signatures`` it is ignored: the model routes as if
+unprofiled (``api.catalog``, ``quality.profile``). Files not named in the
+signature are not hashed on verifying (a new file only matters once the
+signed manifest names it, and then the manifest changed). Verifying reads
+each file through the scan's :class:`~quantroute.registry.digests.Digests`,
+so the signature and the manifest's sha256s share one read of each file, and
+tells the caller the digest of every file it verified (``signed``): what is
+read afterwards (the manifest, the profile) must have those bytes.
 ``repository.require_signatures`` makes an unsigned or unverifiable
 model a refused one; without it, a model with no ``model.sig`` is served
 unsigned, but a signature that is there must verify.
@@ -27,6 +32,7 @@ unsigned, but a signature that is there must verify.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,7 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SIGNATURE_NAME = "model.sig"
-UNSIGNED_FILES = (SIGNATURE_NAME, "profile.json", "profile.png")
+UNSIGNED_FILES = (SIGNATURE_NAME, "profile.png")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,19 +64,20 @@ class TrustPolicy:
         return self.public_key is not None or self.sigstore_identity is not None
 
 
-def _hashing(digests: Digests | None = None) -> hashing.Config:
+def _hashing(digests: Digests | None = None, seen: dict[Path, str] | None = None) -> hashing.Config:
     """model-signing's default serialization (a sha256 per file), ignoring what is
-    unsigned; with ``digests``, each file's sha256 is asked of it (read once a scan)."""
+    unsigned; with ``digests``, each file's sha256 is asked of it (read once a scan),
+    and noted in ``seen`` (path -> sha256)."""
     from model_signing import hashing
 
     config = hashing.Config()  # type: ignore[no-untyped-call]
     config = config.set_ignored_paths(paths=list(UNSIGNED_FILES))
     if digests is not None:
-        _read_through(config, digests)
+        _read_through(config, digests, {} if seen is None else seen)
     return config
 
 
-def _read_through(config: hashing.Config, digests: Digests) -> None:
+def _read_through(config: hashing.Config, digests: Digests, seen: dict[Path, str]) -> None:
     """Give ``config`` a file hasher that asks ``digests``: the same sha256 of the
     file's bytes that model-signing's default one computes (``"sha256"``, per file),
     so a signature made with the default verifies. model-signing (pinned, 1.1.1) has
@@ -82,10 +89,35 @@ def _read_through(config: hashing.Config, digests: Digests) -> None:
 
     class Known(io.SimpleFileHasher):
         def compute(self) -> digest.Digest:
-            value = bytes.fromhex(digests.sha256(self._file))
-            return digest.Digest(self.digest_name, value)
+            hexdigest = digests.sha256(self._file)
+            seen[Path(self._file)] = hexdigest
+            return digest.Digest(self.digest_name, bytes.fromhex(hexdigest))
 
     config._serializer = file.Serializer(lambda path: Known(path, memory.SHA256()))
+
+
+# model-signing's own error text (never client input): no nested quantifier, bounded
+_HEX = re.compile(r"[0-9a-fA-F]{16,}")
+_CHANGED = re.compile(r"Hash mismatch for '([^'\n]{1,200})'")
+
+
+def _plain(reason: str, model_dir: Path) -> str:
+    """model-signing's complaint, fit to show: which files differ, never a digest (its
+    mismatch text prints every file's actual one) and no absolute path (the model
+    folder becomes its name)."""
+    if reason.startswith("Signature mismatch"):
+        parts = []
+        if changed := _CHANGED.findall(reason):
+            parts.append("changed since signing: " + ", ".join(changed[:8]))
+        if "Missing files" in reason:
+            parts.append("files it names are missing")
+        if "Extra files" in reason:
+            parts.append("files it does not name are present")
+        reason = "; ".join(parts) or "the files are not the signed ones"
+    line = reason.splitlines()[0]
+    for root in sorted({str(model_dir.resolve()), str(model_dir.absolute())}, key=len)[::-1]:
+        line = line.replace(root, model_dir.name)
+    return _HEX.sub("…", line)[:300]
 
 
 def sign_model(
@@ -118,12 +150,18 @@ def sign_model(
 
 
 def verify_model(
-    model_dir: Path, policy: TrustPolicy, digests: Digests | None = None
+    model_dir: Path,
+    policy: TrustPolicy,
+    digests: Digests | None = None,
+    *,
+    signed: dict[str, str] | None = None,
 ) -> str | None:
     """Check ``model_dir``'s signature under ``policy``: what verified it, in words, or
     ``None`` for an unsigned model that ``policy`` does not require to be signed.
     Raises :class:`ArtifactIntegrityError` for a signature that does not verify (a
-    changed byte, another key), or a required one that is missing or can't be checked."""
+    changed byte, another key), or a required one that is missing or can't be checked.
+    ``signed`` is filled with the files it verified (path relative to ``model_dir`` ->
+    the sha256 it verified)."""
     signature = model_dir / SIGNATURE_NAME
     if not signature.is_file():
         if policy.required:
@@ -142,7 +180,8 @@ def verify_model(
     from model_signing import verifying
 
     config = verifying.Config()  # type: ignore[no-untyped-call]
-    config = config.set_hashing_config(_hashing(digests or Digests()))
+    seen: dict[Path, str] = {}
+    config = config.set_hashing_config(_hashing(digests or Digests(), seen))
     config = config.set_ignore_unsigned_files(True)
     if policy.public_key is not None:
         config = config.use_elliptic_key_verifier(public_key=policy.public_key)
@@ -156,8 +195,14 @@ def verify_model(
     try:
         config.verify(model_dir, signature)
     except Exception as exc:  # model-signing raises ValueError and its backends' own errors
-        reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        reason = _plain(str(exc), model_dir) if str(exc) else type(exc).__name__
         raise ArtifactIntegrityError(
             f"{model_dir.name}: the signature does not verify ({reason})"
         ) from exc
+    if signed is not None:
+        root = model_dir.resolve()
+        for path, hexdigest in seen.items():
+            resolved = path.resolve()
+            if resolved.is_relative_to(root):
+                signed[resolved.relative_to(root).as_posix()] = hexdigest
     return f"verified by {how}"

@@ -21,24 +21,33 @@ When a stream's last watcher leaves before the end, the producer goes on for
 closes the generation and frees its slot. A finished stream is kept for
 ``retention_s``; the store holds at most ``max_streams`` (the oldest finished
 go first; live streams always stay, admission bounds them) and each the
-latest ``max_events_per_stream``. A stream has at most ``max_readers`` watchers
-at once: a resume past them is a 429 (each one lets in is counted from
-:meth:`StreamStore.get` on, so a flood of resumes cannot pass it together before
-any of them follows). The producer never runs further ahead of
+latest ``max_events_per_stream``. The events kept, all streams together, are
+at most ``max_bytes``: past it the store sheds down to 15/16 of it, first the
+oldest finished streams whole, then the oldest events of live ones (those
+their readers have passed first); a reader, or a resume, from before what is
+kept gets ``stream_events_gone`` (``resilience/kept_bytes.py``). A stream has
+at most ``max_readers`` watchers at once: a resume past them is a 429 (each
+one let in is counted from :meth:`StreamStore.get` on, so a flood of resumes
+cannot pass it together before any of them follows). The producer never runs further ahead of
 its slowest reader (or, with none, of where the last one left) than 7/8 of
 that: a slow reader holds the generation back instead of losing events, and
 the last 1/8 keeps what was in flight when a client dropped. A producer held
 back for longer than the stream's ``stall_timeout_s`` ends the stream with a
 ``reader_stalled`` error (the reader read nothing for that long), which frees
-its generation. Only the owner (a tenant name) may follow.
+its generation. Only the owner (a tenant name) may follow, and, where the
+caller says so (an open API, where every stream's owner is the same
+``anonymous``), only with the stream's secret :attr:`Stream.token`, handed to
+the client that started it and compared in constant time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
+import secrets
 import time
 from collections import OrderedDict, deque
 from collections.abc import (
@@ -54,6 +63,7 @@ from typing import Any
 
 from quantroute.config import StreamSettings
 from quantroute.errors import NotFoundError, QuantrouteError, RateLimitError
+from quantroute.resilience.kept_bytes import KeptBytes, shed
 
 __all__ = ["ReaderStalledError", "Stream", "StreamStore"]
 
@@ -98,14 +108,20 @@ class Stream:
         max_events: int,
         grace_s: float,
         stall_timeout_s: float | None = None,
+        budget: KeptBytes | None = None,
     ):
         self.key = key
         self.owner = owner
         self.headers = dict(headers)  # of the response that started it, for resumes
+        # The secret a resume shows where the owner alone says nothing (an open API):
+        # only the client that started the stream has it (a response header).
+        self.token = secrets.token_hex(16)
         self.next_seq = 0  # the seq the next event gets
         self.done = False
         self.ended_at: float | None = None  # loop time of the end
-        self._events: deque[bytes] = deque(maxlen=max_events)
+        self._events: deque[bytes] = deque()
+        self._max_events = max_events
+        self._budget = budget or KeptBytes()  # the store's, all streams together
         self._waiters: list[asyncio.Future[None]] = []  # watchers waiting for an event
         # The producer stays this many events ahead of the slowest reader at most; the rest
         # of the window keeps events that were in flight when a client dropped.
@@ -147,6 +163,14 @@ class Stream:
         let_in.append(now)
         return True
 
+    def opens_with(self, token: str | None, required: bool) -> bool:
+        """Whether a resume that shows ``token`` may follow: no token passes unless one is
+        ``required``; a token passes if it is this stream's (compared in constant time)."""
+        if token is None:
+            return not required
+        presented = token.encode("utf-8", "replace")
+        return hmac.compare_digest(presented, self.token.encode())
+
     def keeps_after(self, after: int | None) -> bool:
         """Whether every event after ``after`` (``None``: all) is still kept."""
         return (-1 if after is None else after) + 1 >= self.first_seq
@@ -178,9 +202,14 @@ class Stream:
     def append(self, data: bytes) -> None:
         if self.done:
             return
-        self._events.append(data)
+        events = self._events
+        events.append(data)
         seq = self.next_seq
         self.next_seq = seq + 1
+        budget = self._budget  # counted inline (once per token): an add and a compare
+        budget.used += len(data)
+        if len(events) > self._max_events or budget.used > budget.limit:
+            self._bound()
         self._hand(seq, (data,))
 
     def extend(self, datas: Sequence[bytes]) -> None:
@@ -189,10 +218,57 @@ class Stream:
         and ``[DONE]``). The caller makes room for all of them first (:meth:`room_for`)."""
         if self.done or not datas:
             return
-        self._events.extend(datas)
+        events = self._events
+        events.extend(datas)
         seq = self.next_seq
         self.next_seq = seq + len(datas)
+        budget = self._budget
+        budget.used += sum(map(len, datas))
+        if len(events) > self._max_events or budget.used > budget.limit:
+            self._bound()
         self._hand(seq, datas)
+
+    def _bound(self) -> None:
+        """Past ``max_events``, or the store past its bytes: forget what is over."""
+        if len(self._events) > self._max_events:
+            self.trim(len(self._events) - self._max_events)
+        if self._budget.used > self._budget.limit:
+            self._budget.shed()
+
+    def trim(self, n: int) -> int:
+        """Forget the oldest ``n`` events kept (fewer if it keeps fewer); the bytes freed.
+        A reader, or a resume, from before them gets ``stream_events_gone``."""
+        events = self._events
+        freed = 0
+        for _ in range(min(n, len(events))):
+            freed += len(events.popleft())
+        self._budget.used -= freed
+        return freed
+
+    def read_by_all(self) -> int:
+        """How many of the oldest events kept every reader following now has passed (none
+        without one: a client that left may come back for what was in flight)."""
+        if not self._cursors:
+            return 0
+        return max(0, min(self._floor(), self.next_seq) - self.first_seq)
+
+    def _leave_budget(self) -> None:
+        """No longer one of the store's: its bytes stop counting there."""
+        self._budget.used -= self.kept_bytes
+        self._budget = KeptBytes()
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the events kept (counted when asked: the store counts them all)."""
+        return sum(map(len, self._events))
+
+    @property
+    def kept_events(self) -> int:
+        return len(self._events)
+
+    def wake(self) -> None:
+        """Wake every watcher (one behind what is kept learns it)."""
+        self._wake()
 
     def _hand(self, seq: int, datas: Sequence[bytes]) -> None:
         """Write the events from ``seq`` on for the parked direct watcher, or wake them."""
@@ -373,12 +449,18 @@ class StreamStore:
 
     def __init__(self, settings: StreamSettings):
         self.settings = settings
-        self._streams: dict[str, Stream] = {}
+        self._budget = KeptBytes(settings.max_bytes, self._shed)
+        self._streams: dict[str, Stream] = {}  # in the order they opened
         self._finished: OrderedDict[str, Stream] = OrderedDict()  # in the order they ended
         self._closers: dict[str, Callable[[], Awaitable[None]]] = {}  # not yet called
 
     def __len__(self) -> int:
         return len(self._streams)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the events kept, all streams together (at most ``max_bytes``)."""
+        return self._budget.used
 
     def open(
         self,
@@ -407,6 +489,7 @@ class StreamStore:
             self.settings.max_events_per_stream,
             grace_s,
             stall_timeout_s,
+            self._budget,
         )
         for data in first:
             stream.append(data)
@@ -420,14 +503,23 @@ class StreamStore:
         stream._arm(max(grace_s, ATTACH_S))
         return stream
 
-    def get(self, key: str, owner: str, after: int | None = None) -> Stream:
+    def get(
+        self,
+        key: str,
+        owner: str,
+        after: int | None = None,
+        *,
+        token: str | None = None,
+        token_required: bool = False,
+    ) -> Stream:
         """The stream ``key`` of ``owner`` that still keeps the events after ``after``;
-        a 404 otherwise (unknown, expired, or another owner's: the same answer)."""
+        a 404 otherwise (unknown, expired, another owner's, or a ``token`` that is not the
+        stream's, or none where one is ``token_required``: the same answer)."""
         stream = self._streams.get(key)
         if stream is not None and self._expired(stream):
             self._drop(key)
             stream = None
-        if stream is None or stream.owner != owner:
+        if stream is None or stream.owner != owner or not stream.opens_with(token, token_required):
             raise NotFoundError(
                 "no such stream: unknown, expired, or not yours", code="stream_not_found"
             )
@@ -518,10 +610,14 @@ class StreamStore:
             and asyncio.get_running_loop().time() - stream.ended_at >= self.settings.retention_s
         )
 
+    def _shed(self) -> None:
+        shed(self._budget, self._finished, self._streams, self._drop)
+
     def _drop(self, key: str) -> None:
         stream = self._streams.pop(key, None)
         self._finished.pop(key, None)
         if stream is not None:
+            stream._leave_budget()
             stream._cancel_reaper()
             if stream._expiry is not None:
                 stream._expiry.cancel()

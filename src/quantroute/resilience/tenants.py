@@ -6,6 +6,7 @@ The tenants file (``auth.tenants_file``, YAML) maps names to keys and limits::
       acme:
         keys: ["sk-acme-1", "sk-acme-2"]      # as the OpenAI client sends them (Bearer)
         priority: 5                           # admission: higher is served first
+        max_priority: 5                       # the most a request's `priority` may reach
         requests_per_minute: 600
         tokens_per_minute: 200000             # prompt + completion tokens
         max_concurrency: 16                   # requests in flight at once
@@ -16,6 +17,11 @@ every tenant's (no early exit that would time which one matched). A key is
 never logged or echoed. :class:`TenantLimits` counts, per tenant, requests
 and tokens over a sliding minute and the requests in flight; ``admit`` says
 whether one more may start, and when to retry if not.
+
+A request's own ``priority`` moves the tenant's by that much, but never above
+the tenant's ``max_priority`` (by default its ``priority``: a request may lower
+its place, never jump a tenant served before it), as SGLang's gateway clamps a
+request to its tenant's class: :meth:`Tenant.priority_for`.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class _TenantSpec(BaseModel):
 
     keys: list[str] = Field(min_length=1)
     priority: int = Field(0, ge=-10, le=10)
+    max_priority: int | None = Field(None, ge=-10, le=10)
     requests_per_minute: int | None = Field(None, ge=1)
     tokens_per_minute: int | None = Field(None, ge=1)
     max_concurrency: int | None = Field(None, ge=1)
@@ -63,6 +70,19 @@ class Tenant:
     tokens_per_minute: int | None = None
     max_concurrency: int | None = None
     models: frozenset[str] = frozenset({"*"})
+    max_priority: int | None = None  # ``None``: ``priority``
+
+    def priority_for(self, requested: int | None) -> int:
+        """The admission priority of a request that asks for ``requested`` (added to the
+        tenant's, as the API documents): at most ``max_priority`` (by default the tenant's
+        own), so a request can lower its place but never jump a tenant above it.
+
+        >>> Tenant("acme", priority=2).priority_for(5), Tenant("acme", 2).priority_for(-3)
+        (2, -1)
+        """
+        wanted = self.priority + (requested or 0)
+        ceiling = self.priority if self.max_priority is None else self.max_priority
+        return min(wanted, ceiling)
 
     def may_use(self, model: str) -> bool:
         return "*" in self.models or model in self.models
@@ -114,6 +134,10 @@ def load_tenants(path: Path | None) -> Tenants:
         raise ConfigError(f"the tenants file {path} is not valid: {type(exc).__name__}") from exc
     keys: dict[str, Tenant] = {}
     for name, t in spec.tenants.items():
+        if t.max_priority is not None and t.max_priority < t.priority:
+            raise ConfigError(
+                f"the tenants file {path}: a tenant's max_priority is below its priority"
+            )
         tenant = Tenant(
             name,
             t.priority,
@@ -121,6 +145,7 @@ def load_tenants(path: Path | None) -> Tenants:
             t.tokens_per_minute,
             t.max_concurrency,
             frozenset(t.models),
+            t.max_priority,
         )
         for key in t.keys:
             if key in keys:

@@ -3,8 +3,10 @@
 A branch's footprint is its weights, its KV cache, the engine's compute
 buffers and a fixed overhead (see ``docs/memory-model.md`` for every formula
 and the measurements behind the constants). It is *estimated* from GGUF
-metadata before loading and *measured* after (RSS of the worker process on
-CPU, NVML on GPU); the measurement replaces the estimate once it exists.
+metadata before loading (read by the registry's bounded header check, in a
+child process: never by this one) and *measured* after (RSS of the worker
+process on CPU, NVML on GPU); the measurement replaces the estimate once it
+exists.
 
 Free-for-routing is a device's free memory minus a safety margin
 (``max(128 MiB, 5 % of total)``) minus the allocator fragmentation the engine
@@ -22,7 +24,8 @@ from typing import Any
 
 import psutil
 
-from quantroute.errors import ConfigError
+from quantroute.errors import ArtifactIntegrityError, ConfigError
+from quantroute.registry.gguf_check import GgufSummary, read_gguf_isolated
 from quantroute.telemetry.stats import DeviceKind, DeviceStats
 
 logger = logging.getLogger(__name__)
@@ -83,45 +86,45 @@ class ModelShape:
         return self.n_head_kv * self.head_dim_v
 
 
-def _scalar(value: Any) -> int:
-    if isinstance(value, list):  # per-layer arrays (OpenELM-style): the widest layer
-        return max(int(v) for v in value)
-    return int(value)
-
-
 def read_model_shape(path: Path | str) -> ModelShape:
-    """Read a GGUF file's shape with ``gguf.GGUFReader`` (memory-mapped; no tensor data read).
+    """Read a GGUF file's shape: its metadata and tensor table, read by the registry's
+    bounded header check in a child process bounded in time and memory
+    (:func:`~quantroute.registry.gguf_check.read_gguf_isolated`), so that no model file's
+    metadata — a million-entry array, a gigabyte string — costs the gateway's own memory
+    or time. A file the repository scan checked is not read again (the scan's check kept
+    its metadata while its size, mtime and ctime are the ones checked).
 
-    Raises :class:`~quantroute.errors.ConfigError` when the file is not GGUF or
-    lacks a key the model needs. The server only hands it files whose header
-    passed the registry's bounded check (``registry.gguf_check``).
+    Raises :class:`~quantroute.errors.ConfigError` when the file is not GGUF (or not a
+    sound one), or lacks a key the model needs. Blocking: call it off the event loop.
     """
-    import gguf
-
+    path = Path(path)
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # gguf raises what its parser meets: a corrupt file is ours
-        raise ConfigError(f"cannot read GGUF file {Path(path).name}: {exc}") from exc
-    fields = reader.fields
+        summary = read_gguf_isolated(path)
+    except ArtifactIntegrityError as exc:
+        raise ConfigError(f"cannot read GGUF file {path.name}: {exc.message}") from None
+    return model_shape(summary, path.name)
+
+
+def model_shape(summary: GgufSummary, name: str = "the GGUF file") -> ModelShape:
+    """The :class:`ModelShape` of a header the bounded check read with its metadata."""
+    fields = summary.metadata
 
     def get(key: str, default: int | None = None) -> int:
-        field = fields.get(key)
-        if field is None:
-            if default is None:
-                raise ConfigError(f"{path}: GGUF metadata lacks {key}")
-            return default
-        return _scalar(field.contents())
+        value = fields.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return int(value)  # a per-layer array's largest element, when it is an array
+        if default is None:
+            raise ConfigError(f"{name}: GGUF metadata lacks {key}")
+        return default
 
-    arch_field = fields.get("general.architecture")
-    if arch_field is None:
-        raise ConfigError(f"{path}: GGUF metadata lacks general.architecture")
-    arch = str(arch_field.contents())
+    arch = fields.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ConfigError(f"{name}: GGUF metadata lacks general.architecture")
     n_embd = get(f"{arch}.embedding_length")
     n_head = get(f"{arch}.attention.head_count")
     n_head_kv = get(f"{arch}.attention.head_count_kv", n_head)
     head_dim = n_embd // n_head if n_head else 0
-    tokens = fields.get("tokenizer.ggml.tokens")
-    n_vocab = get(f"{arch}.vocab_size", len(tokens.data) if tokens is not None else 0)
+    n_vocab = get(f"{arch}.vocab_size", get("tokenizer.ggml.tokens#count", 0))
     return ModelShape(
         arch=arch,
         n_layer=get(f"{arch}.block_count"),
@@ -133,8 +136,8 @@ def read_model_shape(path: Path | str) -> ModelShape:
         n_ctx_train=get(f"{arch}.context_length", 0),
         n_ff=get(f"{arch}.feed_forward_length", 4 * n_embd),
         n_vocab=n_vocab,
-        weights_bytes=sum(int(t.n_bytes) for t in reader.tensors),
-        n_tensors=len(reader.tensors),
+        weights_bytes=summary.weights_bytes,
+        n_tensors=summary.n_tensors,
     )
 
 
