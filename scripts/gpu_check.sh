@@ -6,7 +6,9 @@
 #    one GPU, NVML's measured footprint vs the estimate, and VRAM pressure from
 #    torch moving default requests to a cheaper branch within two poll intervals;
 #    plus `quantroute doctor` (build backends, a decode of every precision).
-# Needs the venv (`make test` builds llama.cpp with CUDA where there is a GPU and nvcc).
+# Needs the venv (`make test` builds llama.cpp with CUDA where there is a GPU and nvcc). On the
+# lent GPU machine, which reaches no package registry, run scripts/gpu_all.sh through the kit
+# instead (these checks, the serving benchmark, in one call; docs/telemetry.md).
 # Exit 0 ok, 1 a mismatch or failure, 2 cannot run (no GPU...). Record the output in
 # docs/telemetry.md.
 set -euo pipefail

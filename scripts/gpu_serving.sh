@@ -14,6 +14,8 @@
 # Needs the venv with a CUDA llama-cpp-python (`make test` builds one where there is a GPU
 # and nvcc). About 5 minutes after the build (which takes ~10 on 16 cores). The output and
 # benchmarks/results/serving-gpu-<date>.json go to docs/benchmarks.md ("On a GPU").
+# On the lent GPU machine (no package registry there) scripts/gpu_all.sh runs this benchmark,
+# with 1/8/32 clients and short rounds, after the other GPU checks, in the kit's environment.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-$root/.venv/bin/python}"

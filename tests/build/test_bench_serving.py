@@ -81,16 +81,25 @@ def test_a_gateways_own_cpu_per_token_is_over_every_round_or_none() -> None:
 
 
 def test_ratios_and_goals() -> None:
+    def cell(system: str, n: int, wall: float, gateway_s: float | None) -> bench.Cell:
+        rounds = [
+            bench.Round("stdlib-bpe-llama", system, n, 0, wall, 0.1, (stream(8, 8),), 0, gateway_s)
+        ]
+        return bench.Cell.of(rounds, 8, "ab")
+
+    systems = ((QUANTROUTE, 1.0, 0.0012), (LLAMA_SERVER, 0.5, None), (CEILING, 0.8, None))
     cells = {
-        ("stdlib-bpe-llama", system, 1): bench.Cell.of(
-            [bench.Round("stdlib-bpe-llama", system, 1, 0, wall, 0.1, (stream(8, 8),))], 8, "ab"
-        )
-        for system, wall in ((QUANTROUTE, 1.0), (LLAMA_SERVER, 0.5), (CEILING, 0.8))
+        ("stdlib-bpe-llama", system, n): cell(system, n, wall, gateway_s)
+        for system, wall, gateway_s in (*systems, (bench.BARE, 0.9, 0.001))
+        for n in (1, 4)
     }
-    r = bench.ratios(cells, "stdlib-bpe-llama", 1)
+    r = bench.ratios(cells, "stdlib-bpe-llama", 4)
     assert r["decode"] == pytest.approx(0.5) and r["decode_vs_ceiling"] == pytest.approx(0.8)
-    goals = dict(bench.goal_lines(cells, "stdlib-bpe-llama", [1]))
-    assert list(goals.values()) == [False, True]  # decode 0.5x: not met; TTFT the same: met
+    assert r["gateway_cpu_vs_bare"] == pytest.approx(1.2)
+    goals = list(bench.goal_lines(cells, "stdlib-bpe-llama", [1, 4]))
+    # 1 client: the gateway's CPU alone (1.2x: missed); 4: CPU, decode 0.5x, TTFT the same
+    assert [met for _, met in goals] == [False, False, False, True]
+    assert "1 client(s): gateway CPU" in goals[0][0] and "4 client(s): median TTFT" in goals[3][0]
 
 
 def test_the_ceiling_drives_the_real_worker(tmp_path: Path) -> None:

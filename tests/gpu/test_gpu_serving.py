@@ -1,8 +1,9 @@
 """GPU serving on a real NVIDIA GPU (marked ``gpu``; skipped without one).
 
-Run by ``scripts/gpu_check.sh`` after its NVML-vs-nvidia-smi comparison. Needs a
-CUDA build of llama.cpp (``make`` builds one where there is a GPU and a toolkit)
-and, for the pressure test, PyTorch with CUDA.
+Run by ``scripts/gpu_check.sh`` after its NVML-vs-nvidia-smi comparison, and by
+``scripts/gpu_all.sh`` (the one device call; docs/telemetry.md). Needs a CUDA build of
+llama.cpp (``make`` builds one where there is a GPU and a toolkit; the GPU kit builds one
+on the device) and, for the pressure test, PyTorch with CUDA.
 
 - three branches of the demo model placed on one GPU, fully offloaded;
 - NVML's per-process footprint of each worker vs the memory model's estimate;

@@ -82,11 +82,15 @@ class ResponseRenderer:
                     for _, t, lp in event.top_logprobs
                 ],
             }
+        # the legacy API's top always holds the sampled token as well (so up to logprobs + 1
+        # entries, and the sampled one alone for logprobs: 0), as OpenAI's and vLLM's do
+        top = {t: lp for _, t, lp in event.top_logprobs}
+        top.setdefault(piece, event.logprob)
         entry = {
             "token": piece,
             "logprob": event.logprob,
             "offset": choice.offset,
-            "top": {t: lp for _, t, lp in event.top_logprobs},
+            "top": top,
         }
         choice.offset += len(event.text)
         return entry
