@@ -91,6 +91,7 @@ STREAM_LOW_WATER = 16
 EXIT_GRACE_S = 5.0
 """How long a worker that closed its output may take to exit before it is killed."""
 
+
 def _close_opened(opening: asyncio.Future[tuple[int, VerifiedFile]]) -> None:
     if not opening.cancelled() and opening.exception() is None:
         with contextlib.suppress(OSError):

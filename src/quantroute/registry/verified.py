@@ -107,6 +107,4 @@ class VerifiedFile:
         """Renamed over: its last name is gone (no link left), which moves ctime, not the
         bytes, and nobody can open it to write any more. Size and mtime must still hold.
         A link added (``ln``) is no excuse: whoever can add one can write the file too."""
-        return (
-            bool(self.links) and st.st_nlink == 0 and identity(st)[:4] == self.identity[:4]
-        )
+        return bool(self.links) and st.st_nlink == 0 and identity(st)[:4] == self.identity[:4]
