@@ -833,27 +833,13 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     9000
     """
     path = config_file or os.environ.get(f"{ENV_PREFIX}CONFIG")
-
-    class _FileSettings(Settings):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-            if path:
-                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=Path(path)))
-            return tuple(sources)
+    read = _reading(environment=True, yaml_file=Path(path) if path else None)
 
     if path and not Path(path).is_file():
         raise ConfigError(f"config file not found: {path}")
     _check_environment(os.environ)
     try:
-        return _FileSettings(**overrides)
+        return read(**overrides)
     except ValidationError as exc:
         raise _config_error(exc) from exc
     except ValueError as exc:  # pydantic-settings' SettingsError: a variable it can't decode
@@ -863,8 +849,14 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
 def default_settings() -> Settings:
     """What a fresh server has: the defaults alone, no environment and no file (the
     defaults ``--help`` and docs/configuration.md show)."""
+    return _reading(environment=False, yaml_file=None)()  # type: ignore[call-arg]  # every field has its default
 
-    class _Defaults(Settings):
+
+def _reading(*, environment: bool, yaml_file: Path | None) -> type[Settings]:
+    """:class:`Settings` reading, after its arguments, the environment (or not) and a
+    YAML file (or none)."""
+
+    class _Read(Settings):
         @classmethod
         def settings_customise_sources(
             cls,
@@ -874,9 +866,12 @@ def default_settings() -> Settings:
             dotenv_settings: PydanticBaseSettingsSource,
             file_secret_settings: PydanticBaseSettingsSource,
         ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return (init_settings,)
+            sources = [init_settings, env_settings] if environment else [init_settings]
+            if yaml_file is not None:
+                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
+            return tuple(sources)
 
-    return _Defaults()  # type: ignore[call-arg]  # every field has its default
+    return _Read
 
 
 def _config_error(exc: ValidationError) -> ConfigError:
