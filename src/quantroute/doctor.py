@@ -9,7 +9,7 @@ It reports, without running llama.cpp in its own process:
   ``scripts/llama_build.sh`` would build, and whether the installed build is that one;
 - the devices telemetry sees;
 - a one-token decode of one branch of every precision in the repository, each in
-  its own process (:func:`~quantroute.engines.llamacpp_build.decode_check`).
+  its own process (:func:`~quantroute.engines.llamacpp.build.decode_check`).
 
 :attr:`DoctorReport.ok` is true when every precision decoded and no compiled
 feature is missing; ``quantroute doctor`` exits 0 then, else 1.
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from quantroute.engines.exits import TROUBLESHOOTING
-from quantroute.engines.llamacpp_build import (
+from quantroute.engines.llamacpp.build import (
     CPUINFO_FLAGS,
     BuildInfo,
     DecodeCheck,
@@ -202,7 +202,7 @@ def check_precisions(
     """Decode one token with one branch of every GGUF precision in ``repo`` (the
     reference branch where it has that precision), each in its own process.
 
-    ``faults`` maps a precision to a :data:`~quantroute.engines.llamacpp_build.FAULTS`
+    ``faults`` maps a precision to a :data:`~quantroute.engines.llamacpp.build.FAULTS`
     name its child is to suffer (tests). Returns the checks and the repository's problems.
     """
     scan = scan_repository(repo)

@@ -98,7 +98,7 @@ class Offload:
 
 
 # The ways a llama.cpp worker can be told to fail (``engine.faults``, the worker's
-# ``--fault``; each is described in engines/llamacpp_worker.py's docstring): test hooks.
+# ``--fault``; each is described in engines/llamacpp/worker.py's docstring): test hooks.
 WorkerFault = Literal[
     "sigill-at-first-decode",
     "exit-at-load",

@@ -1,6 +1,6 @@
 """Structured output on real llama.cpp workers: every sampled reply of the toy model
 parses, and validates against its schema, because the grammar and the closing path
-(``engines/constrained.py``) make it so, not because the model is good."""
+(``engines/llamacpp/constrained.py``) make it so, not because the model is good."""
 
 from __future__ import annotations
 
@@ -218,7 +218,7 @@ REALISTIC: dict[str, Any] = {
 async def test_a_realistic_schema_is_accepted_and_every_reply_validates(
     client: httpx.AsyncClient,
 ) -> None:
-    """Inside every bound on a grammar's cost (engines/grammar.py) with room to spare."""
+    """Inside every bound on a grammar's cost (shaping/grammar.py) with room to spare."""
     fmt = {"type": "json_schema", "json_schema": {"name": "order", "schema": REALISTIC}}
     bodies = [
         CHAT | {"response_format": fmt, "temperature": 1.0, "seed": i, "max_tokens": 400}

@@ -22,7 +22,7 @@ from qrtest import fake_table, live, serving
 from quantroute.api import grammars
 from quantroute.api.app import create_app
 from quantroute.config import load_settings
-from quantroute.engines import grammar
+from quantroute.shaping import grammar
 
 JSON = {"content-type": "application/json"}
 CHAT: dict[str, Any] = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from qrtest import fake_app
-from quantroute.engines import pattern
-from quantroute.engines.grammar import schema_grammar
+from quantroute.shaping import pattern
+from quantroute.shaping.grammar import schema_grammar
 
 pytestmark = pytest.mark.asyncio
 

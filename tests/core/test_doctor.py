@@ -20,7 +20,7 @@ from quantroute.doctor import (
     report_to_json,
 )
 from quantroute.engines.exits import describe_exit
-from quantroute.engines.llamacpp_build import BuildInfo, BuildRecord, DecodeCheck
+from quantroute.engines.llamacpp.build import BuildInfo, BuildRecord, DecodeCheck
 from quantroute.types import Precision
 
 SIGILL_WORDS = describe_exit(-signal.SIGILL)

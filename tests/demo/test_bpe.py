@@ -31,7 +31,7 @@ from quantroute.demo import (
     write_llama_gguf,
 )
 from quantroute.demo.vocab import TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL
-from quantroute.engines.chat_template import render_chat
+from quantroute.shaping.chat_template import render_chat
 
 llama_cpp = pytest.importorskip("llama_cpp")
 pytest.importorskip("tokenizers")

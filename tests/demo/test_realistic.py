@@ -28,10 +28,10 @@ from quantroute.demo import (
     cache_key,
     read_metadata,
 )
-from quantroute.engines.chat_template import render_chat
 from quantroute.quality.profile import load_profiles
 from quantroute.quality.profiler import default_calibration_text
 from quantroute.registry.manifest import load_manifest, verify_artifacts
+from quantroute.shaping.chat_template import render_chat
 
 llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]

@@ -18,7 +18,7 @@ from quantroute.api.sse import payloads
 from quantroute.config import StreamSettings
 from quantroute.engines.base import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from quantroute.engines.fake import FakeEngine
-from quantroute.engines.llamacpp import STREAM_HIGH_WATER, LlamaCppEngine, WorkerOptions
+from quantroute.engines.llamacpp.engine import STREAM_HIGH_WATER, LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
 from quantroute.resilience.resume import StreamStore
 from quantroute.routing.policy import pinned

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from quantroute.engines.exchange_timer import ExchangeTimer
+from quantroute.engines.llamacpp.exchange_timer import ExchangeTimer
 
 IDLE = 0.05
 

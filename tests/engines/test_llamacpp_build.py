@@ -14,7 +14,7 @@ import pytest
 
 from quantroute.config import DEMO_REPO
 from quantroute.engines.exits import describe_exit
-from quantroute.engines.llamacpp_build import (
+from quantroute.engines.llamacpp.build import (
     BuildInfo,
     BuildRecord,
     compiled_cpu_features,
@@ -195,7 +195,7 @@ def test_probe_reads_this_venvs_build_record() -> None:
 def test_probe_never_loads_llama_cpp_in_the_caller() -> None:
     code = (
         "import sys\n"
-        "from quantroute.engines.llamacpp_build import probe_build\n"
+        "from quantroute.engines.llamacpp.build import probe_build\n"
         "import quantroute.doctor\n"
         "assert probe_build().cpu_features\n"
         "print(sorted(m for m in sys.modules if m.startswith('llama_cpp')))\n"

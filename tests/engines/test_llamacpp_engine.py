@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from qrtest import demo_model_dir
-from quantroute.engines import llamacpp
 from quantroute.engines.base import (
     FinishEvent,
     FinishReason,
@@ -24,7 +23,8 @@ from quantroute.engines.base import (
     StartEvent,
     TokenEvent,
 )
-from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
+from quantroute.engines.llamacpp import engine as llamacpp
+from quantroute.engines.llamacpp.engine import LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
 from quantroute.errors import ContextLengthExceededError, EngineCrashedError, EngineError
 from quantroute.quality.metrics import kl_divergence, log_softmax, top1_agreement
@@ -178,7 +178,7 @@ async def test_a_slow_prompt_is_tokenized_while_the_other_sequences_decode() -> 
 
 
 async def test_a_short_prompt_is_not_held_behind_a_slow_one_being_tokenized() -> None:
-    """A long prompt is tokenized on a thread of its own (engines/tokenizer.py): a short
+    """A long prompt is tokenized on a thread of its own (engines/llamacpp/tokenizer.py): a short
     request that arrives while it is being tokenized is answered first. On one tokenizer
     thread it waited for all of the slow prompt's 1.5 s."""
     engine = await _engine(parallel=2, n_ctx=65536)

@@ -17,7 +17,7 @@ import pytest
 
 from qrtest import demo_model_dir
 from quantroute.engines.base import GenerationRequest, SamplingParams, TokenEvent
-from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
+from quantroute.engines.llamacpp.engine import LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
 from quantroute.errors import EngineCrashedError, EngineError, EngineUnavailableError
 

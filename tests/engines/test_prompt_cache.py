@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from quantroute.engines.prompt_cache import PromptCache, Take, common_prefix
+from quantroute.engines.llamacpp.prompt_cache import PromptCache, Take, common_prefix
 
 
 @pytest.mark.parametrize(

@@ -19,9 +19,9 @@ from quantroute.engines.base import (
     StartEvent,
     TokenEvent,
 )
-from quantroute.engines.grammar import schema_grammar
-from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
+from quantroute.engines.llamacpp.engine import LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
+from quantroute.shaping.grammar import schema_grammar
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

@@ -28,7 +28,7 @@ from quantroute.engines.base import (
     StartEvent,
     TokenEvent,
 )
-from quantroute.engines.llamacpp import Generation, LlamaCppEngine, WorkerOptions
+from quantroute.engines.llamacpp.engine import Generation, LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
 from quantroute.errors import EngineCrashedError
 from quantroute.resilience.resume import StreamStore

@@ -16,8 +16,8 @@ import pytest
 
 from qrtest import demo_model_dir, realistic_repo
 from quantroute.engines.base import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
-from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
-from quantroute.engines.llamacpp_worker import Worker, parse_args
+from quantroute.engines.llamacpp.engine import LlamaCppEngine, WorkerOptions
+from quantroute.engines.llamacpp.worker import Worker, parse_args
 from quantroute.engines.supervisor import RestartPolicy
 
 pytestmark = pytest.mark.slow
@@ -145,7 +145,7 @@ def test_every_sequences_chain_is_freed_however_it_ends() -> None:
 
 
 def test_one_line_per_step_carries_every_sequences_token() -> None:
-    argv = [sys.executable, "-m", "quantroute.engines.llamacpp_worker", "--n-threads", "1"]
+    argv = [sys.executable, "-m", "quantroute.engines.llamacpp.worker", "--n-threads", "1"]
     argv += ["--model", str(demo_model_dir() / "q8_0.gguf"), "--parallel", "3"]
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdin is not None and proc.stdout is not None

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from quantroute.engines.sampler_chain import SamplerChain, chain_seed
+from quantroute.engines.llamacpp.sampler_chain import SamplerChain, chain_seed
 from quantroute.engines.sampling import (
     Penalties,
     distribution,
@@ -117,7 +117,7 @@ def test_sampling_draws_from_that_distribution() -> None:
     assert np.allclose(freq, want, atol=0.015)
 
 
-# -- llama.cpp's sampler chain (engines/sampler_chain.py), against the same references --
+# -- llama.cpp's sampler chain (engines/llamacpp/sampler_chain.py), against the same references --
 
 
 NO_PENALTIES = Penalties()

@@ -16,7 +16,7 @@ import pytest
 
 from qrtest import demo_model_dir
 from quantroute.engines.environment import worker_env
-from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
+from quantroute.engines.llamacpp.engine import LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
 from quantroute.registry import digests as digests_module
 from quantroute.registry.manifest import check_artifacts, load_manifest

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from quantroute.engines.tokenizer import LONG_CHARS, Pending, PromptTokenizer
+from quantroute.engines.llamacpp.tokenizer import LONG_CHARS, Pending, PromptTokenizer
 
 
 def _wait(pending: Pending, timeout_s: float = 5.0) -> bool:

@@ -28,7 +28,7 @@ GEN = {
 
 
 def _worker(*fault: str) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "quantroute.engines.llamacpp_worker"]
+    argv = [sys.executable, "-m", "quantroute.engines.llamacpp.worker"]
     argv += ["--model", str(demo_model_dir() / "f16.gguf"), "--n-threads", "1", "--parallel", "1"]
     return subprocess.Popen(
         [*argv, *fault], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL

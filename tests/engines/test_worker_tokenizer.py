@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from qrtest import demo_model_dir
-from quantroute.engines.llamacpp_worker import Worker, parse_args
-from quantroute.engines.tokenizer import Pending
+from quantroute.engines.llamacpp.tokenizer import Pending
+from quantroute.engines.llamacpp.worker import Worker, parse_args
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from qrtest import demo_model_dir
 from quantroute.api.app import create_app
 from quantroute.config import load_settings
 from quantroute.demo.gguf_export import perturb_gguf_weights
-from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
+from quantroute.engines.llamacpp.engine import LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
 from quantroute.quality.profile import load_profiles
 from quantroute.registry.manifest import load_manifest, verify_artifacts

@@ -26,7 +26,7 @@ from quantroute.config import DriftSettings
 from quantroute.demo.gguf_export import perturb_gguf_weights
 from quantroute.demo.vocab import BOS_ID, EOS_ID, UNK_ID, VOCAB
 from quantroute.engines.base import GenerationRequest, SamplingParams, TokenEvent
-from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
+from quantroute.engines.llamacpp.engine import LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
 from quantroute.quality.drift import Baseline, DriftMonitor, LogitsFiles, Replay
 from quantroute.quality.profile import load_profiles

@@ -20,7 +20,7 @@ import pytest
 from qrtest import demo_model_dir, demo_repo_copy, serving
 from quantroute.api.app import create_app
 from quantroute.config import load_settings
-from quantroute.engines.llamacpp import WorkerOptions
+from quantroute.engines.llamacpp.engine import WorkerOptions
 from quantroute.telemetry import CompositeProvider, CpuProvider, HealthTracker, NvmlProvider
 from quantroute.telemetry.memory import CUDA_CONTEXT_BYTES
 from quantroute.telemetry.occupancy import (

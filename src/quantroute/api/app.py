@@ -34,9 +34,9 @@ from quantroute.api.gateway import Gateway
 from quantroute.api.reference import install_reference
 from quantroute.api.routes import GenerationRoutes, router
 from quantroute.config import Settings
-from quantroute.engines import pattern
 from quantroute.resilience.resume import StreamStore
 from quantroute.routing.table import RouteTable
+from quantroute.shaping import pattern
 from quantroute.telemetry import DeviceProvider
 
 log = logging.getLogger(__name__)

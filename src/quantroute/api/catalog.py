@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from quantroute.config import Settings
 from quantroute.engines.base import Engine
-from quantroute.engines.llamacpp import LlamaCppEngine, WorkerOptions
+from quantroute.engines.llamacpp.engine import LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
 from quantroute.quality.profile import PROFILE_NAME, Trust, load_profiles, stale_profiles
 from quantroute.registry.digests import Digests

@@ -40,8 +40,7 @@ from quantroute.api.service import Service
 from quantroute.config import Settings
 from quantroute.engines.base import Engine
 from quantroute.engines.exits import crashed
-from quantroute.engines.llamacpp_build import probe_build
-from quantroute.engines.template_pool import close_default_pool
+from quantroute.engines.llamacpp.build import probe_build
 from quantroute.observability import Observer
 from quantroute.quality.drift import Baseline, DriftMonitor, Replay
 from quantroute.registry.watcher import watch_repository
@@ -57,6 +56,7 @@ from quantroute.routing.residency import Residency
 from quantroute.routing.speeds import ObservedSpeeds, observe_finished
 from quantroute.routing.states import BranchStates, RecentRate
 from quantroute.routing.table import Branch, RouteTable, RouteTableRef
+from quantroute.shaping.template_pool import close_default_pool
 from quantroute.telemetry import DevicePoller, DeviceProvider, SimDeviceProvider
 from quantroute.telemetry.occupancy import Occupancy, PlacementRequest
 from quantroute.telemetry.selection import (

@@ -33,9 +33,9 @@ from typing import Any
 from quantroute.api.jobs import request_grammar
 from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
 from quantroute.api.structured import JsonObjectFormat, forces_tools, needs_grammar
-from quantroute.engines.grammar import json_object_grammar
-from quantroute.engines.pattern import cpu_budget
 from quantroute.errors import InvalidRequestError, ServiceUnavailableError
+from quantroute.shaping.grammar import json_object_grammar
+from quantroute.shaping.pattern import cpu_budget
 
 __all__ = ["AT_ONCE", "Grammars"]
 

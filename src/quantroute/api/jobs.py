@@ -13,12 +13,12 @@ from quantroute.engines.base import (
     GenerationRequest,
     SamplingParams,
 )
-from quantroute.engines.chat_template import ChatPrompt
 from quantroute.observability import NULL_TRACE, RequestTrace
 from quantroute.resilience.admission import Ticket
 from quantroute.resilience.tenants import OPEN, Tenant
 from quantroute.routing.policy import Decision
 from quantroute.routing.table import Branch
+from quantroute.shaping.chat_template import ChatPrompt
 
 Kind = Literal["chat", "completion"]
 

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from quantroute.api.catalog import ModelBuild
 from quantroute.api.drain import Drains
-from quantroute.engines.llamacpp import LlamaCppEngine
+from quantroute.engines.llamacpp.engine import LlamaCppEngine
 from quantroute.routing.table import Branch, ModelRoute, RouteTable
 from quantroute.routing.versions import VersionSplit
 from quantroute.telemetry.occupancy import PlacementRequest

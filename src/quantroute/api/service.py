@@ -31,7 +31,6 @@ from quantroute.api.schemas import (
     check_vocabulary,
 )
 from quantroute.api.tools import template_messages
-from quantroute.engines.chat_template import render_chat_bounded
 from quantroute.errors import (
     InvalidRequestError,
     NotFoundError,
@@ -51,6 +50,7 @@ from quantroute.routing.requirement import (
 )
 from quantroute.routing.table import Branch, ModelRoute, lookup
 from quantroute.routing.versions import Audience
+from quantroute.shaping.chat_template import render_chat_bounded
 
 if TYPE_CHECKING:
     from quantroute.api.gateway import Gateway

@@ -18,13 +18,13 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from quantroute.api.tools import STRICT, NamedToolChoice, Tool, encodable
-from quantroute.engines.grammar import (
+from quantroute.errors import InvalidRequestError
+from quantroute.shaping.grammar import (
     SchemaError,
     json_object_grammar,
     schema_grammar,
     tool_call_grammar,
 )
-from quantroute.errors import InvalidRequestError
 
 __all__ = ["JsonSchemaSpec", "ResponseFormat", "forces_tools", "grammar_of", "needs_grammar"]
 

@@ -31,13 +31,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from quantroute.engines.grammar import (
+from quantroute.engines.stops import partial_suffix
+from quantroute.shaping.grammar import (
     SURROGATES,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     lone_surrogates,
 )
-from quantroute.engines.stops import partial_suffix
 
 __all__ = [
     "FunctionDef",

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from quantroute.engines.base import PromptCacheStats
-from quantroute.engines.llamacpp_build import probe_build
+from quantroute.engines.llamacpp.build import probe_build
 from quantroute.errors import EngineError, NotFoundError
 from quantroute.observability.metrics import BranchSample, DeviceSample, ModelSample
 from quantroute.quality.profile import BranchProfile

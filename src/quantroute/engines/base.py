@@ -60,7 +60,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's, over the generated tokens
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's, over prompt and generated tokens; 1 is off
-    grammar: str | None = None  # GBNF the output must match (engines/grammar.py)
+    grammar: str | None = None  # GBNF the output must match (shaping/grammar.py)
     # The request's deadline, in time.monotonic() seconds (CLOCK_MONOTONIC: one clock for
     # every process on the machine); the engine stops generating when it passes.
     deadline: float | None = None

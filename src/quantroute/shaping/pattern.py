@@ -1,13 +1,13 @@
 """A JSON schema's ``pattern``, for the grammar: what it costs, and the JSON text it allows.
 
-:mod:`quantroute.engines.grammar` hands each ``pattern`` to llama.cpp's schema
+:mod:`quantroute.shaping.grammar` hands each ``pattern`` to llama.cpp's schema
 converter, which copies a regular expression into GBNF nearly as it is. Two things
 happen here first:
 
 - :func:`pattern_size` measures what the pattern costs llama.cpp's sampler (its
   characters spelled out, nested counts multiplied, and how many positions it leaves
   open at once), and refuses what is no regular expression, so that
-  :func:`quantroute.engines.grammar.check_schema` can bound it;
+  :func:`quantroute.shaping.grammar.check_schema` can bound it;
 - :func:`pattern_in_json` rewrites it so that the grammar the converter makes is that of
   the *JSON text* of the values it matches: a class's ``"``, ``\\`` and control
   characters become their escapes, a literal ``"`` becomes ``\\"``.

@@ -60,9 +60,9 @@ from quantroute.engines.base import (
     TokenScores,
 )
 from quantroute.engines.environment import worker_env
-from quantroute.engines.exchange_timer import ExchangeTimer
 from quantroute.engines.exits import describe_exit
 from quantroute.engines.inbox import Inbox
+from quantroute.engines.llamacpp.exchange_timer import ExchangeTimer
 from quantroute.engines.supervisor import Launch, RestartPolicy, WorkerSupervisor
 from quantroute.errors import (
     ArtifactIntegrityError,
@@ -121,7 +121,7 @@ class WorkerOptions:
     fault: str = ""  # fault injection for tests (see llamacpp_worker --fault)
     gpu: int | None = None  # CUDA device index (NVML order); None: the CPU
     oom_flag: str = ""  # a simulated device's out-of-memory flag file (see Offload)
-    prompt_cache: bool = True  # reuse finished sequences' KV prefixes (engines/prompt_cache.py)
+    prompt_cache: bool = True  # reuse finished sequences' KV prefixes (prompt_cache.py)
     sampler: str = "chain"  # llama.cpp's sampler chain; "numpy" (sampling.py) is a reference
 
     def __post_init__(self) -> None:
@@ -134,7 +134,7 @@ class WorkerOptions:
             raise ValueError("timeouts must be positive")
 
     def argv(self, model_path: Path) -> list[str]:
-        argv = [sys.executable, "-m", "quantroute.engines.llamacpp_worker"]
+        argv = [sys.executable, "-m", "quantroute.engines.llamacpp.worker"]
         argv += ["--model", str(model_path)]
         for key, value in asdict(self).items():
             if key == "cpus":

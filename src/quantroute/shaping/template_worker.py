@@ -1,8 +1,8 @@
 """A chat template render process, and the messages it exchanges with the gateway.
 
-The gateway (:mod:`~quantroute.engines.template_pool`) writes one
+The gateway (:mod:`~quantroute.shaping.template_pool`) writes one
 :class:`RenderJob` at a time on the process's stdin; the process renders it
-in the bounded sandbox (:func:`~quantroute.engines.template_sandbox.render_text`)
+in the bounded sandbox (:func:`~quantroute.shaping.template_sandbox.render_text`)
 and writes one reply on its stdout. Each message is a 4-byte big-endian
 length and that many bytes of ASCII JSON.
 
@@ -32,7 +32,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import IO, Any
 
-from quantroute.engines.template_sandbox import (
+from quantroute.shaping.template_sandbox import (
     Failed,
     LimitExceeded,
     Refused,
@@ -54,7 +54,7 @@ ARGV = [
     "package = types.ModuleType('quantroute.engines'); "
     "package.__path__ = list(spec.submodule_search_locations); "
     "sys.modules['quantroute.engines'] = package; "
-    "from quantroute.engines.template_worker import main; "
+    "from quantroute.shaping.template_worker import main; "
     "sys.exit(main(sys.argv[1:]))",
 ]
 _HEAD = struct.Struct(">I")

@@ -54,8 +54,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from quantroute.engines.template_pool import TemplatePool, default_pool
-from quantroute.engines.template_sandbox import (
+from quantroute.errors import InvalidRequestError, QuantrouteError, TemplateError
+from quantroute.shaping.template_pool import TemplatePool, default_pool
+from quantroute.shaping.template_sandbox import (
     MAX_INT_BITS,
     Failed,
     LimitExceeded,
@@ -64,9 +65,8 @@ from quantroute.engines.template_sandbox import (
     compile_template,
     render_text,
 )
-from quantroute.engines.template_shape import provably_bounded
-from quantroute.engines.template_worker import RenderJob
-from quantroute.errors import InvalidRequestError, QuantrouteError, TemplateError
+from quantroute.shaping.template_shape import provably_bounded
+from quantroute.shaping.template_worker import RenderJob
 
 __all__ = [
     "DEFAULT_MAX_BYTES",

@@ -23,8 +23,8 @@ without end stops instead of burning a core or memory:
   (no regular expressions, nothing that backtracks).
 
 The checks are a *second* line: what runs a template that is not provably
-bounded (:mod:`~quantroute.engines.template_shape`) is a render process
-(:mod:`~quantroute.engines.template_pool`) with its own memory limit and a
+bounded (:mod:`~quantroute.shaping.template_shape`) is a render process
+(:mod:`~quantroute.shaping.template_pool`) with its own memory limit and a
 wall clock after which it is killed, so no C-level operation the checks do
 not foresee can hold the gateway.
 
@@ -48,7 +48,7 @@ from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
-from quantroute.engines.template_budget import (
+from quantroute.shaping.template_budget import (
     BUDGET,
     MAX_FORMAT_SPEC,
     MAX_INT_BITS,

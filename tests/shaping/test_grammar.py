@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from qrtest import demo_model_dir
-from quantroute.engines.grammar import (
+from quantroute.shaping.grammar import (
     SchemaError,
     check_schema,
     json_object_grammar,
@@ -206,7 +206,7 @@ def test_schemas_at_the_cost_bounds_convert(schema: Any) -> None:
 def test_real_patterns_are_inside_the_bounds(
     vocab: tuple[Any, int, list[bytes], list[int]], pattern: str
 ) -> None:
-    from quantroute.engines.constrained import ClosingOrder, Grammar
+    from quantroute.engines.llamacpp.constrained import ClosingOrder, Grammar
 
     v, n, pieces, eog = vocab
     Grammar(
@@ -336,7 +336,7 @@ def test_the_closing_path_ends_valid_from_anywhere(
     path: its length is what ``closing_length`` said, and the text validates."""
     import numpy as np
 
-    from quantroute.engines.constrained import ClosingOrder, Grammar
+    from quantroute.engines.llamacpp.constrained import ClosingOrder, Grammar
 
     v, n, pieces, eog = vocab
     order = ClosingOrder(pieces, eog)
@@ -381,7 +381,7 @@ def test_grammars_at_the_bounds_load_on_llama_cpps_sampler(
     crash would fail the test run, not pass it)."""
     import numpy as np
 
-    from quantroute.engines.constrained import ClosingOrder, Grammar
+    from quantroute.engines.llamacpp.constrained import ClosingOrder, Grammar
 
     v, n, pieces, eog = vocab
     g = Grammar(v, n, schema_grammar(schema), ClosingOrder(pieces, eog))
@@ -401,7 +401,7 @@ def test_grammars_at_the_cost_bounds_step_quickly_on_llama_cpps_sampler(
     ((a?){256}){256} never finished one)."""
     import numpy as np
 
-    from quantroute.engines.constrained import ClosingOrder, Grammar
+    from quantroute.engines.llamacpp.constrained import ClosingOrder, Grammar
 
     v, n, pieces, eog = vocab
     g = Grammar(v, n, schema_grammar(schema), ClosingOrder(pieces, eog))
@@ -518,7 +518,7 @@ def _walks(grammar: str, vocab: tuple[Any, int, list[bytes], list[int]]) -> list
     """Twelve :func:`_walk` texts of ``grammar``, of 0, 4, ... 44 random tokens each."""
     import numpy as np
 
-    from quantroute.engines.constrained import ClosingOrder, Grammar
+    from quantroute.engines.llamacpp.constrained import ClosingOrder, Grammar
 
     v, n, pieces, eog = vocab
     order = ClosingOrder(pieces, eog)
@@ -577,7 +577,7 @@ def test_a_patterns_values_are_json_strings_the_pattern_matches(
     \\S hold no digit, letter or space of Python's Unicode classes."""
     import numpy as np
 
-    from quantroute.engines.constrained import ClosingOrder, Grammar
+    from quantroute.engines.llamacpp.constrained import ClosingOrder, Grammar
 
     v, n, pieces, eog = vocab
     schema = {"type": "string", "pattern": pattern}
@@ -630,7 +630,7 @@ def test_forced_tool_calls_parameters_may_refer_to_their_own_defs(
 def test_a_schema_seen_before_is_not_converted_again_and_the_memo_is_bounded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from quantroute.engines import grammar as g
+    from quantroute.shaping import grammar as g
 
     converted: list[int] = []
     real = g._convert
@@ -691,7 +691,7 @@ def test_every_token_the_grammar_allows_keeps_the_output_utf8(
     closing path too, so whatever a model picks the text decodes and validates."""
     import numpy as np
 
-    from quantroute.engines.constrained import ClosingOrder, Grammar
+    from quantroute.engines.llamacpp.constrained import ClosingOrder, Grammar
 
     v, n, pieces, eog = vocab
     grammar = schema_grammar(schema)
@@ -718,7 +718,7 @@ def test_the_utf8_mask_never_leaves_nothing(
     grammar allowed: a byte the worker decodes as U+FFFD, never a row with no token."""
     import numpy as np
 
-    from quantroute.engines.constrained import ClosingOrder, _keep_utf8
+    from quantroute.engines.llamacpp.constrained import ClosingOrder, _keep_utf8
 
     _, n, pieces, eog = vocab
     order = ClosingOrder(pieces, eog)

@@ -1,7 +1,7 @@
 """A sequence's sampling in C: one llama.cpp sampler chain per sequence.
 
 The worker builds a :class:`SamplerChain` when it admits a ``gen`` (any
-sampling but a grammar's, see ``engines/constrained.py``) and frees it when
+sampling but a grammar's, see ``engines/llamacpp/constrained.py``) and frees it when
 the sequence ends. Each step ``llama_sampler_sample`` reads the sequence's row
 of logits inside llama.cpp, so nothing vocabulary-sized is copied into Python.
 The chain, in order, keeps the meanings of ``engines/sampling.py``:

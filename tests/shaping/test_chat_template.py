@@ -9,16 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hostile import loop_gaps
-from quantroute.engines import chat_template
-from quantroute.engines.chat_template import (
+from quantroute.errors import InvalidRequestError, TemplateError
+from quantroute.shaping import chat_template
+from quantroute.shaping.chat_template import (
     DEFAULT_STOPS,
     INLINE_CONTENT_CHARS,
     render_chat,
     render_chat_bounded,
 )
-from quantroute.engines.template_pool import TemplatePool
-from quantroute.engines.template_worker import RenderJob
-from quantroute.errors import InvalidRequestError, TemplateError
+from quantroute.shaping.template_pool import TemplatePool
+from quantroute.shaping.template_worker import RenderJob
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 

@@ -1,6 +1,6 @@
 """The llama.cpp worker process: one branch, several sequences decoded together.
 
-Run by the supervisor as ``python -m quantroute.engines.llamacpp_worker``.
+Run by the supervisor as ``python -m quantroute.engines.llamacpp.worker``.
 It speaks newline-delimited JSON: commands on stdin, events on the original
 stdout (file descriptor 1 is then pointed at stderr, so nothing llama.cpp
 prints can corrupt the protocol).
@@ -39,7 +39,7 @@ step precede its ``fin``, and any other event of the step (a ``tok``, ``start``,
 ``fin``) first ends the ``toks`` line gathered so far, so a step may write several.
 The lines of a step are written with one ``write``.
 
-Sampling (``engines/sampler_chain.py``): each ``gen`` gets its own llama.cpp sampler
+Sampling (``engines/llamacpp/sampler_chain.py``): each ``gen`` gets its own llama.cpp sampler
 chain when admitted (logit bias and ``ignore_eos``, the penalties, the ``min_tokens``
 ban, then greedy or temperature / top-k / top-p / min-p and a draw seeded by
 ``seed``), freed when the sequence ends however it ends; ``llama_sampler_sample``
@@ -50,7 +50,7 @@ biases and ``min_tokens`` ban are added to llama.cpp's row where it lies, and nu
 argmax picks the token: 18 µs at a 32k vocabulary, where the chain's greedy sampler
 takes 80), a request with logprobs (the chain picks the token; the
 row, biased and penalized the same way, gives the log-probabilities) and one with a
-grammar (``engines/constrained.py``: the closing path needs the masked row).
+grammar (``engines/llamacpp/constrained.py``: the closing path needs the masked row).
 ``--sampler numpy`` samples every request in numpy, as before the chain: a reference
 for tests (greedy text is the same; seeded text is not, the generators differ).
 
@@ -59,7 +59,7 @@ logits that predicted each of ``tokens`` (``[T, V]``, row-major, no header) to
 a new file at ``path`` (created exclusively; removed again if the job fails or
 is cancelled). ``score`` teacher-forces the same and compares each row with
 the reference's, read from its file a row at a time: per-token
-``KL(ref ‖ this)`` and top-1 agreement (``quantroute.quality.metrics``, in
+``KL(ref ‖ this)`` and top-1 agreement (``quantroute.divergence``, in
 float64), so only ``T``-long arrays go back. Vocabulary-sized rows never
 cross the pipe, and at most ``max(16, 2**22 // V)`` rows are scored per
 decode step, so a replay neither holds a ``[T, V]`` array nor stalls the
@@ -70,14 +70,14 @@ is replaced by an ``err`` (``code`` ``event_too_large``) for its id, and that
 request is dropped; everyone else's go on.
 
 A ``gen`` whose sampling has a ``grammar`` (GBNF text) samples only what the
-grammar allows and always ends with output it accepts (``engines/constrained.py``);
+grammar allows and always ends with output it accepts (``engines/llamacpp/constrained.py``);
 an ungrammatical grammar is an ``err`` with ``code`` ``invalid_grammar``, one whose
 shortest output is longer than ``max_tokens`` ``grammar_too_long``.
 
 Scheduling is continuous batching: every step puts the next token of every
 decoding sequence and a slice of any waiting prompt into one ``llama_decode``.
 
-Prompts are tokenized off the decode loop (``engines/tokenizer.py``): the reader
+Prompts are tokenized off the decode loop (``engines/llamacpp/tokenizer.py``): the reader
 thread hands each command's text prompt to a tokenizer thread as it arrives (long
 ones to a second, so they do not hold the short ones), and the loop admits the
 command once its tokens are ready, stepping the other sequences meanwhile (a long
@@ -85,7 +85,7 @@ prompt, or one of llama.cpp's quadratic inputs, used to hold every sequence). A
 ``gen`` whose bytes alone say it cannot fit the context is refused without
 tokenizing it.
 
-Prompt caching (``engines/prompt_cache.py``; off with ``--no-prompt-cache``): a
+Prompt caching (``engines/llamacpp/prompt_cache.py``; off with ``--no-prompt-cache``): a
 finished generation leaves its KV cells in its slot; a new ``gen`` takes the free
 slot whose cells share the longest prefix with its prompt (else the least recently
 used one), drops the cells past that prefix and prefills only the rest, always
@@ -137,9 +137,11 @@ from typing import IO, Any
 import llama_cpp as lc
 import numpy as np
 
-from quantroute.engines.constrained import ClosingOrder, Grammar, GrammarError
-from quantroute.engines.prompt_cache import PromptCache
-from quantroute.engines.sampler_chain import SamplerChain
+from quantroute.engines.llamacpp.constrained import ClosingOrder, Grammar, GrammarError
+from quantroute.engines.llamacpp.prompt_cache import PromptCache
+from quantroute.engines.llamacpp.sampler_chain import SamplerChain
+from quantroute.engines.llamacpp.scoring import Comparison, LogitsDump, ScoringJob
+from quantroute.engines.llamacpp.tokenizer import Pending, PromptTokenizer
 from quantroute.engines.sampling import (
     GREEDY_BELOW,
     Penalties,
@@ -148,9 +150,7 @@ from quantroute.engines.sampling import (
     penalize,
     sample,
 )
-from quantroute.engines.scoring import Comparison, LogitsDump, ScoringJob
 from quantroute.engines.stops import StopMatcher
-from quantroute.engines.tokenizer import Pending, PromptTokenizer
 from quantroute.types import WORKER_FAULTS
 
 log = logging.getLogger("quantroute.worker")
@@ -263,7 +263,7 @@ class Worker:
         self.active: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
         self.commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        # Prompts are tokenized on a thread of their own (engines/tokenizer.py); a command
+        # Prompts are tokenized on a thread of their own (engines/llamacpp/tokenizer.py); a command
         # is held here, in arrival order, until its prompt's tokens are ready.
         self._prompts = PromptTokenizer(self.tokenize, lambda: self.commands.put(_TOKENIZED))
         self.held: deque[dict[str, Any]] = deque()
@@ -642,7 +642,7 @@ class Worker:
         self.release(seq)
 
     def place(self, seq: Sequence) -> None:
-        """Give a waiting sequence a free slot (``engines/prompt_cache.py``): keep the cells
+        """Give a waiting sequence a free slot (``prompt_cache.py``): keep the cells
         of the prefix it shares with what the slot holds, drop the rest, and say ``start``
         with how many prompt tokens it reuses (``c``). Scoring jobs reuse nothing."""
         take = self.slots.take(seq.prompt, reuse=seq.first_scored < 0)
@@ -966,7 +966,7 @@ class Worker:
     def _constrained(self, seq: Sequence, logits: Any, index: int) -> tuple[int, Any]:
         """The next token of a sequence with a grammar: sampled among the tokens the
         grammar allows while the closing path fits in the tokens left after it, else the
-        closing path's (``engines/constrained.py``)."""
+        closing path's (``engines/llamacpp/constrained.py``)."""
         grammar = seq.grammar
         assert grammar is not None
         masked = grammar.mask(logits)

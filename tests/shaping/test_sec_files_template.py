@@ -26,10 +26,10 @@ import yaml
 
 from hostile import loop_gaps
 from qrtest import demo_model_dir, live
-from quantroute.engines import template_budget, template_sandbox
-from quantroute.engines.chat_template import render_chat, render_chat_bounded
-from quantroute.engines.template_pool import TemplatePool
 from quantroute.errors import InvalidRequestError
+from quantroute.shaping import template_budget, template_sandbox
+from quantroute.shaping.chat_template import render_chat, render_chat_bounded
+from quantroute.shaping.template_pool import TemplatePool
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 FORMAT_BOMB = "{{ ('{' ~ ':' * 40000).format() }}"
@@ -63,7 +63,7 @@ async def test_a_template_bomb_is_a_400_within_its_budget_and_the_loop_runs(
     pool: TemplatePool, template: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, "quantroute.engines.chat_template"):
+    with caplog.at_level(logging.WARNING, "quantroute.shaping.chat_template"):
         outcome, gap = await loop_gaps(
             render_chat_bounded(
                 MESSAGES, model_template=template, timeout_s=TIMEOUT_S, where="m:b", pool=pool
@@ -108,8 +108,8 @@ def test_strftime_now_takes_plain_formats() -> None:
 
 _ORPHAN = """
 import asyncio, os, sys
-from quantroute.engines.template_pool import TemplatePool
-from quantroute.engines.template_worker import RenderJob
+from quantroute.shaping.template_pool import TemplatePool
+from quantroute.shaping.template_worker import RenderJob
 pool = TemplatePool(size=1)
 job = RenderJob("{{ 1 }}", [], None, "", "", 5.0, 1000, 1 << 24)
 print(asyncio.run(pool.render(job)), *pool.pids, flush=True)

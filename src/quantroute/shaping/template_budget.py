@@ -1,6 +1,6 @@
 """The chat template sandbox's budget, and what each operation would build before it does.
 
-Used by :mod:`~quantroute.engines.template_sandbox` (its hooks read :data:`BUDGET`, set
+Used by :mod:`~quantroute.shaping.template_sandbox` (its hooks read :data:`BUDGET`, set
 for one render). Every scan here is one pass, left to right: no regular expressions,
 nothing that backtracks on a template's strings.
 """

@@ -61,14 +61,14 @@ class LogitsDump:
 
 class Comparison:
     """Compares a job's rows with a reference's logits file, one row at a time: per-token
-    ``KL(ref ‖ this)`` and top-1 agreement, by ``quantroute.quality.metrics``."""
+    ``KL(ref ‖ this)`` and top-1 agreement, by ``quantroute.divergence``."""
 
     def __init__(self, path: str, shape: tuple[int, int], n_tokens: int, n_vocab: int):
         # Imported on the first comparison only: it costs a worker that never scores
         # nothing at start-up.
-        from quantroute.quality import metrics
+        from quantroute import divergence
 
-        self._metrics = metrics
+        self._metrics = divergence
         rows, vocab = shape
         if vocab != n_vocab:
             raise ValueError(

@@ -4,15 +4,15 @@ A llama.cpp compiled with ``-march=native`` carries every instruction set of the
 machine that built it (AVX-512, AMX on Intel Xeons) and dies with SIGILL on the
 next machine that lacks one. This module finds out, without ever running
 llama.cpp in the caller's process: :func:`probe_build` and :func:`decode_check`
-each start ``python -m quantroute.engines.llamacpp_build`` and read its answer,
+each start ``python -m quantroute.engines.llamacpp.build`` and read its answer,
 so a build that crashes kills only that child, whose exit status is put in words
 by :func:`~quantroute.engines.exits.describe_exit`.
 
 ::
 
-    python -m quantroute.engines.llamacpp_build --json            # BuildInfo as JSON
-    python -m quantroute.engines.llamacpp_build --decode F.gguf   # one-token decode
-    python -m quantroute.engines.llamacpp_build --decode F.gguf --fault sigill
+    python -m quantroute.engines.llamacpp.build --json            # BuildInfo as JSON
+    python -m quantroute.engines.llamacpp.build --decode F.gguf   # one-token decode
+    python -m quantroute.engines.llamacpp.build --decode F.gguf --fault sigill
 
 >>> compiled_cpu_features("CPU : SSE3 = 1 | AVX2 = 1 | AMX_INT8 = 1 | LLAMAFILE = 1 | ")
 ('SSE3', 'AVX2', 'AMX_INT8', 'LLAMAFILE')
@@ -231,7 +231,7 @@ def _record_from_json(doc: Mapping[str, Any]) -> BuildRecord:
 
 
 def _child_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "quantroute.engines.llamacpp_build", *args]
+    return [sys.executable, "-m", "quantroute.engines.llamacpp.build", *args]
 
 
 def _fault_args(fault: str | None) -> list[str]:

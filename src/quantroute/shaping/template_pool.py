@@ -3,7 +3,7 @@
 A thread cannot be stopped in the middle of one C-level operation, and holds
 the GIL through it: a template that formats, pads or multiplies its way to
 seconds in C would hold the gateway's event loop too. So such a template
-renders in a separate process (:mod:`~quantroute.engines.template_worker`)
+renders in a separate process (:mod:`~quantroute.shaping.template_worker`)
 that the gateway can kill. A :class:`TemplatePool` keeps a few of them,
 long-lived (a render costs a pipe's round trip, not a process start):
 
@@ -35,9 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from quantroute.engines.environment import worker_env
-from quantroute.engines.template_sandbox import LimitExceeded
-from quantroute.engines.template_worker import ARGV, RenderJob, decode_reply, read_frame
 from quantroute.errors import TemplateError
+from quantroute.shaping.template_sandbox import LimitExceeded
+from quantroute.shaping.template_worker import ARGV, RenderJob, decode_reply, read_frame
 
 __all__ = ["DEFAULT_SIZE", "KILL_SLACK_S", "TemplatePool", "close_default_pool", "default_pool"]
 

@@ -1,5 +1,5 @@
 """Grammars for constrained decoding: JSON mode, JSON schemas and forced tool calls, as
-GBNF text for llama.cpp's grammar sampler (the worker runs it, ``engines/constrained.py``).
+GBNF text for llama.cpp's grammar sampler (the worker runs it, ``engines/llamacpp/constrained.py``).
 
 The schema-to-GBNF conversion is llama.cpp's own (``llama_cpp.llama_grammar``, a
 pure-Python port of ``json_schema_to_grammar``), loaded here from its file so that the
@@ -13,7 +13,7 @@ gateway does not load ``libllama``. Three things are added around it:
 - it copies a ``pattern``'s classes, ``.`` and literals into the grammar as they are, so
   ``[^a]`` could write a raw ``"`` (ending the string) or ``\\``: each pattern is first
   rewritten so that the grammar is that of the JSON text of values it matches
-  (``engines/pattern.py``).
+  (``shaping/pattern.py``).
 
 A forced tool call is the default tool format of :mod:`quantroute.api.tools`::
 
@@ -35,7 +35,7 @@ from functools import cache
 from types import ModuleType
 from typing import Any
 
-from quantroute.engines.pattern import SchemaError, pattern_in_json, pattern_size, spend
+from quantroute.shaping.pattern import SchemaError, pattern_in_json, pattern_size, spend
 
 __all__ = [
     "SURROGATES",
@@ -444,7 +444,7 @@ _REFS = "$quantroute-refs"  # where _prepared puts what each reference names
 
 def _prepared(schema: Any, name: str) -> tuple[Any, list[str]]:
     """``schema`` (checked; changed in place) for the converter, and its references as
-    the converter knows them: each ``pattern`` as JSON text (``engines/pattern.py``);
+    the converter knows them: each ``pattern`` as JSON text (``shaping/pattern.py``);
     each ``$ref`` to a definition of a name of its own (``ref0``, ``fn1-ref0``: the
     converter names a definition's rule by the last part of its reference, and took the
     rule of a property, or its ``space``, that had that name already); and each ``$ref``
