@@ -10,6 +10,7 @@ from typing import Literal
 from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
 from quantroute.api.structured import grammar_of
 from quantroute.engines.base import (
+    ChatInput,
     GenerationRequest,
     SamplingParams,
 )
@@ -86,6 +87,13 @@ def build_job(
         special = prompt.template == "model"
         kind = "chat"
         chat_tools, parallel_tool_calls = bool(req.active_tools), req.parallel_tool_calls
+        chat = ChatInput(
+            tuple(m.for_template() for m in req.messages),
+            None
+            if req.response_format is None
+            else req.response_format.model_dump(by_alias=True, exclude_none=True),
+            tuple(t.model_dump(by_alias=True, exclude_none=True) for t in req.active_tools or ()),
+        )
     else:
         limit = req.max_tokens
         fit_context, logprobs = limit is None, req.logprobs is not None
@@ -95,6 +103,7 @@ def build_job(
         special = False
         kind = "completion"
         chat_tools, parallel_tool_calls = False, True
+        chat = None
     sampling = SamplingParams(
         max_tokens=limit or max_tokens,
         fit_context=fit_context,
@@ -122,6 +131,7 @@ def build_job(
             sampling if seed is None else replace(sampling, seed=(seed + i) & _SEED_MASK),
             parse_special=special,
             prompt_ids=ids[i] if ids else None,
+            chat=chat,
         )
         for i, text in enumerate(prompts)
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from quantroute.engines.base import (
+    ChatInput,
     Engine,
     EngineEvent,
     EngineInfo,
@@ -26,6 +27,7 @@ from quantroute.engines.supervisor import RestartPolicy, WorkerSupervisor
 
 __all__ = [
     "BuildInfo",
+    "ChatInput",
     "DecodeCheck",
     "Engine",
     "EngineEvent",

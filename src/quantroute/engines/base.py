@@ -20,11 +20,11 @@ vocabulary-sized array ever crosses a pipe or the gateway's memory::
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeGuard, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, runtime_checkable
 
 from quantroute.types import Offload
 
@@ -67,6 +67,19 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class ChatInput:
+    """A chat request's conversation as the client sent it (validated), for an engine
+    that takes messages and applies its own template (a remote OpenAI server); an engine
+    that takes a rendered prompt reads ``GenerationRequest.prompt`` instead.
+    ``response_format`` is the client's (the remote enforces it; ``SamplingParams.grammar``
+    is its GBNF for engines that take grammars)."""
+
+    messages: tuple[Mapping[str, Any], ...]
+    response_format: Mapping[str, Any] | None = None
+    tools: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """A text prompt, which the engine tokenizes (adding BOS), or ``prompt_ids``: token ids
     taken as they are (``prompt`` is then their text, for routing and logs)."""
@@ -81,6 +94,8 @@ class GenerationRequest:
     # W3C trace context (traceparent, tracestate, baggage) of the request's generation
     # span, for the engine to pass on: into its worker, or as headers of a remote call.
     trace_context: tuple[tuple[str, str], ...] = ()
+    # a chat request's messages, for engines that take messages (``EngineKind.messages``)
+    chat: ChatInput | None = None
 
 
 @dataclass(frozen=True, slots=True)
