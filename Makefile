@@ -11,7 +11,14 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: serve test lint typecheck unit bench demo clean llama
+.PHONY: serve test lint typecheck unit bench demo clean llama llama-server
+
+# The gRPC API's code, generated from the .proto (gitignored: never committed). The
+# proto's folder is mapped onto the package, so the modules import each other as
+# quantroute.grpcapi._gen.*; the .pyi stubs are what mypy reads.
+PROTO_DIR := proto/quantroute/v1
+PROTO := $(PROTO_DIR)/quantroute.proto
+GRPC_GEN := src/quantroute/grpcapi/_gen
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,15 +35,32 @@ $(VENV)/.serve-deps: pyproject.toml | llama
 	$(BIN)/python -c "import llama_cpp, quantroute"
 	touch $@
 
+# grpcio-tools (the `proto` extra): what generates the gRPC code.
+$(VENV)/.proto-deps: pyproject.toml $(VENV)/.serve-deps
+	$(BIN)/pip install -q -e '.[proto]'
+	touch $@
+
+$(GRPC_GEN)/quantroute_pb2.py: $(PROTO) $(VENV)/.proto-deps
+	@echo "==> generating the gRPC code from $(PROTO)"
+	rm -rf $(GRPC_GEN)
+	mkdir -p $(GRPC_GEN)
+	$(BIN)/python -m grpc_tools.protoc -Iquantroute/grpcapi/_gen=$(PROTO_DIR) \
+		--python_out=src --pyi_out=src --grpc_python_out=src $(PROTO)
+	touch $(GRPC_GEN)/__init__.py
+	$(BIN)/python -c "import quantroute.grpcapi"
+
+# `make .venv`: the environment `make serve` runs in, without serving.
+$(VENV): $(VENV)/.serve-deps $(GRPC_GEN)/quantroute_pb2.py
+
 # torch==2.13.0 first: a CPU build that installs from disk on this project's machines,
 # so the `train` extra's range is already met and pulls nothing larger.
-$(VENV)/.test-deps: pyproject.toml $(VENV)/.serve-deps | llama
+$(VENV)/.test-deps: pyproject.toml $(VENV)/.serve-deps $(GRPC_GEN)/quantroute_pb2.py | llama
 	@echo "==> installing test and training dependencies"
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,train,server-peer]'
 	touch $@
 
-serve: $(VENV)/.serve-deps | llama
+serve: $(VENV)/.serve-deps $(GRPC_GEN)/quantroute_pb2.py | llama
 	$(BIN)/quantroute serve $(ARGS)
 
 lint: $(VENV)/.test-deps
@@ -46,7 +70,13 @@ lint: $(VENV)/.test-deps
 typecheck: $(VENV)/.test-deps
 	$(BIN)/mypy
 
-unit: $(VENV)/.test-deps
+# llama.cpp's own llama-server, from the same sources and flags (cached outside the
+# checkout by its flags: minutes once, a second after): the remote-branch tests serve
+# demo files with it, and the serving benchmark compares against it.
+llama-server: | $(BIN)/python
+	@bash scripts/llama_server_build.sh $(BIN)/python >/dev/null
+
+unit: $(VENV)/.test-deps llama-server
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: lint typecheck unit
@@ -59,3 +89,4 @@ demo: $(VENV)/.test-deps
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(GRPC_GEN)

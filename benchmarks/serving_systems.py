@@ -311,7 +311,7 @@ class WorkerCeiling:
         self, model: Path, cfg: Settings, logs: Path, log_name: str = "ceiling-worker.log"
     ):
         self.argv = [
-            sys.executable, "-m", "quantroute.engines.llamacpp_worker", "--model", str(model),
+            sys.executable, "-m", "quantroute.engines.llamacpp.worker", "--model", str(model),
             "--n-ctx", str(cfg.n_ctx), "--parallel", str(cfg.parallel),
             "--n-threads", str(cfg.threads), "--log-level", "warning",
             "--n-gpu-layers", str(cfg.n_gpu_layers),
@@ -353,12 +353,11 @@ class WorkerCeiling:
         assert self.proc is not None and self.proc.stdout is not None
         async for line in self.proc.stdout:
             event, at = json.loads(line), time.perf_counter()
-            if event.get("ev") == "toks":  # one step's tokens: id, text, token, ...
-                batch = event["b"]
-                for i in range(0, len(batch), 3):
-                    waiter = self.waiters.get(batch[i])
+            if event.get("ev") == "toks":  # one step's tokens: [id, text, token] triples
+                for rid, text, _ in event["b"]:
+                    waiter = self.waiters.get(rid)
                     if waiter is not None:
-                        waiter.put_nowait({"ev": "tok", "t": batch[i + 1], "_at": at})
+                        waiter.put_nowait({"ev": "tok", "t": text, "_at": at})
                 continue
             waiter = self.waiters.get(event.get("id", ""))
             if waiter is not None:

@@ -248,6 +248,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         max_chunks=args.max_chunks,
         n_threads=args.threads,
         progress=True,
+        top_k=args.top_k,
+        secret=default_settings().secret,  # a remote branch's key, by the variable it names
     )
     print(format_table(result))
     for model in result.models:
@@ -328,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Measure each branch against its model's reference branch the way "
         "llama.cpp's `llama-perplexity --kl-divergence` does (KLD, top-1 agreement, PPL, "
         "delta-p), plus speed and footprint; write profile.json and profile.png beside "
-        "each manifest.",
+        "each manifest. A remote branch (url) is measured from its server's top-k "
+        "log-probabilities: its KLD is a lower bound (docs/quality.md).",
     )
     profile.add_argument(
         "repo",
@@ -347,6 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--n-ctx", type=int, default=None, help="chunk length in tokens")
     profile.add_argument("--max-chunks", type=int, default=None, help="score at most N chunks")
     profile.add_argument("--threads", type=int, default=None, help="llama.cpp threads")
+    profile.add_argument(
+        "--top-k",
+        type=int,
+        default=20,
+        help="log-probabilities to ask a remote branch (url) for per position (default 20)",
+    )
     profile.set_defaults(func=cmd_profile)
 
     demo = sub.add_parser(

@@ -19,15 +19,13 @@ class _Engine:
 async def test_a_drain_keeps_the_placement_of_an_id_a_running_reload_brings_back() -> None:
     placements: dict[str, str] = {}
     served: list[SimpleNamespace] = []  # reload 1 removed m:x: the table serves nothing
-    gateway = SimpleNamespace(
-        settings=SimpleNamespace(
-            repository=SimpleNamespace(drain_quiet_s=0.05, drain_timeout_s=5.0)
-        ),
-        routes=SimpleNamespace(current=SimpleNamespace(branches=lambda: served)),
-        forget=lambda bid: placements.pop(bid, None),
-    )
+    routes = SimpleNamespace(current=SimpleNamespace(branches=lambda: served))
+
+    def forget(branch_id: str) -> None:  # the gateway's: the id's placement goes
+        placements.pop(branch_id, None)
+
     lock = asyncio.Lock()  # the reloads'
-    drains = Drains(gateway, lock)  # type: ignore[arg-type]
+    drains = Drains(routes, forget, quiet_s=0.05, timeout_s=5.0, lock=lock)  # type: ignore[arg-type]
     old = SimpleNamespace(id="m:x", engine=_Engine())
     async with lock:  # reload 2: places the new m:x, starts its worker, swaps it in
         task = drains.spawn(drains.drain([old]))  # type: ignore[list-item]

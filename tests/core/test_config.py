@@ -128,7 +128,7 @@ def test_every_settings_section_refuses_a_misspelled_key() -> None:
 @pytest.mark.parametrize(
     ("variable", "value", "says"),
     [
-        ("QUANTROUTE_SERVER__GRPC_PORT", "1", "no such setting; accepted: admin_key, allowed_"),
+        ("QUANTROUTE_SERVER__GRPC_PROT", "1", "no such setting; accepted: admin_key, allowed_"),
         ("QUANTROUTE_SERVER__PORT", "abc", "valid integer"),
         ("QUANTROUTE_SERVER__LOG_LEVEL", "loud", "'debug', 'info', 'warning' or 'error'"),
         ("QUANTROUTE_TELEMETRY__CPU_AFFINITY", "[[", "telemetry.cpu_affinity"),

@@ -16,6 +16,7 @@ from quantroute.config import Settings, default_settings
 PACKAGES = [
     "quantroute.api",
     "quantroute.engines",
+    "quantroute.grpcapi",
     "quantroute.observability",
     "quantroute.registry",
     "quantroute.routing",

@@ -42,7 +42,7 @@ _REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT)
 #: (file, pattern) -> why no client's text ever reaches it. Keep it short.
 ALLOWED: dict[tuple[str, str], str] = {
     (
-        "quantroute/config.py",
+        "quantroute/config/telemetry.py",
         r"^(auto|(nvml|nvidia-smi|cpu|sim:[^+\s]+)(\+(nvml|nvidia-smi|cpu|sim:[^+\s]+))*)$",
     ): "telemetry.devices: the operator's setting, read once at start-up, never a request's; "
     "and each repetition starts with a '+' that the item before it cannot hold, so there is "

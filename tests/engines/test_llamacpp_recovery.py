@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,14 +37,6 @@ async def _engine(**options: Any) -> LlamaCppEngine:
     await engine.start()
     assert engine.ready
     return engine
-
-
-@pytest.fixture
-async def engines() -> AsyncIterator[list[LlamaCppEngine]]:
-    made: list[LlamaCppEngine] = []
-    yield made
-    for e in made:
-        await e.stop()
 
 
 def _req(max_tokens: int, prompt: str = "def ") -> GenerationRequest:

@@ -28,6 +28,7 @@ from quantroute.engines.base import (
     StartEvent,
     TokenEvent,
 )
+from quantroute.engines.llamacpp import wire
 from quantroute.engines.llamacpp.engine import Generation, LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
 from quantroute.errors import EngineCrashedError
@@ -106,7 +107,7 @@ async def test_a_generation_hands_out_what_came_and_says_when_more_comes(
 
 async def test_tokens_only_stops_before_the_end_and_leaves_it(engine: LlamaCppEngine) -> None:
     generation, _ = await _opened(engine, 16)
-    await _until(lambda: engine._streams and isinstance(_last(engine), dict))  # all came
+    await _until(lambda: engine._streams and isinstance(_last(engine), wire.Finished))  # all came
     tokens = generation.take_ready(tokens_only=True)
     assert len(tokens) == 15 and all(type(e) is TokenEvent for e in tokens)
     assert generation.has_ready()  # the end is left for a full read
@@ -256,7 +257,7 @@ async def test_a_generation_dropped_unclosed_is_cancelled_in_the_worker(
 ) -> None:
     """A reader that breaks out of its loop and drops the generation without closing it
     frees its slot, as an async generator's finalizer did: forgotten, and cancelled."""
-    posted: list[dict[str, object]] = []
+    posted: list[wire.Command] = []
     post = engine._post
     engine._post = lambda command: (posted.append(command), post(command))  # type: ignore[method-assign,func-returns-value]
     generation, _ = await _opened(engine, 400)
@@ -265,6 +266,6 @@ async def test_a_generation_dropped_unclosed_is_cancelled_in_the_worker(
     del generation
     gc.collect()
     assert engine.in_flight == 0
-    assert {"op": "cancel", "id": rid} in posted
+    assert wire.Cancel(rid) in posted
     await _until(lambda: rid not in engine._owed)  # the worker answered the cancel
     assert len(await _reference(engine, 4)) == 4

@@ -6,16 +6,17 @@ per step carrying every sequence's token."""
 from __future__ import annotations
 
 import io
-import json
 import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from qrtest import demo_model_dir, realistic_repo
 from quantroute.engines.base import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from quantroute.engines.llamacpp import wire
 from quantroute.engines.llamacpp.engine import LlamaCppEngine, WorkerOptions
 from quantroute.engines.llamacpp.worker import Worker, parse_args
 from quantroute.engines.supervisor import RestartPolicy
@@ -106,42 +107,42 @@ async def test_seeded_sampling_with_every_knob_repeats_and_differs_by_seed(
     assert logprobs[1] == texts[0]
 
 
-def _gen(rid: str, max_tokens: int, **sampling: object) -> dict[str, object]:
-    s = {"max_tokens": max_tokens, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "seed": 1}
-    s |= {"stop": [], "logprobs": False, "top_logprobs": 0, "ignore_eos": True} | sampling
-    return {"op": "gen", "id": rid, "prompt": PROMPT, "s": s}
+def _gen(rid: str, max_tokens: int, **sampling: Any) -> wire.Generate:
+    knobs: dict[str, Any] = {"temperature": 0.7, "top_p": 0.9, "seed": 1, "ignore_eos": True}
+    params = SamplingParams(max_tokens=max_tokens, **(knobs | sampling))
+    return wire.Generate(rid, PROMPT, params)
 
 
 def test_every_sequences_chain_is_freed_however_it_ends() -> None:
     args = parse_args(["--model", str(demo_model_dir() / "q8_0.gguf"), "--parallel", "2"])
     args.n_threads, args.n_ctx = 1, 128
     worker = Worker(args, io.BytesIO())
+    batcher = worker.batcher
 
     def steps(n: int) -> None:
         for _ in range(n):
-            while worker.waiting and len(worker.slots):
-                worker.place(worker.waiting.popleft())
-            if worker.active:
-                worker.step()
+            batcher.place_waiting()
+            if batcher.active:
+                batcher.step()
             worker.drop_refused()
             worker.flush()
 
     for cmd in (_gen("done", 3), _gen("active", 100), _gen("next", 100), _gen("queued", 100)):
         worker.handle(cmd)
     worker.handle(_gen("grammar", 8, grammar='root ::= "a"'))  # numpy's: no chain
-    worker.handle(_gen("bad-bias", 8, logit_bias=[[10**9, 1.0]]))  # refused before a chain
+    worker.handle(_gen("bad-bias", 8, logit_bias=((10**9, 1.0),)))  # refused before a chain
     worker.handle(_gen("too-long", 500))  # refused before a chain
     worker.handle(_gen("greedy", 4, temperature=0.0))  # argmax: no chain
-    assert worker.chains_open == 4
+    assert batcher.chains_open == 4
     steps(6)  # "done" finished and "next" took its slot; "queued" and "grammar" wait
-    assert set(worker.active) == {"active", "next"} and worker.chains_open == 3
-    worker.handle({"op": "cancel", "id": "queued"})  # waiting
-    worker.handle({"op": "cancel", "id": "active"})  # decoding
+    assert set(batcher.active) == {"active", "next"} and batcher.chains_open == 3
+    worker.handle(wire.Cancel("queued"))  # waiting
+    worker.handle(wire.Cancel("active"))  # decoding
     steps(1)
-    assert worker.chains_open == 1 and "next" in worker.active
+    assert batcher.chains_open == 1 and "next" in batcher.active
     worker.commands.put(None)  # shutdown with "next" and "grammar" still in flight
     worker.run()
-    assert worker.chains_open == 0
+    assert batcher.chains_open == 0
 
 
 def test_one_line_per_step_carries_every_sequences_token() -> None:
@@ -150,27 +151,32 @@ def test_one_line_per_step_carries_every_sequences_token() -> None:
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdin is not None and proc.stdout is not None
     try:
-        assert json.loads(proc.stdout.readline())["ev"] == "ready"
+        assert isinstance(wire.decode_event(proc.stdout.readline()), wire.Ready)
         gens = [_gen(f"r{i}", 6, temperature=0.0) for i in range(3)]
         gens.append(_gen("lp", 6, temperature=0.0, logprobs=True))  # waits for a slot
-        proc.stdin.write(b"".join(json.dumps(g).encode() + b"\n" for g in gens))
+        proc.stdin.write(b"".join(wire.encode(g) for g in gens))
         proc.stdin.flush()
-        lines, finished = [], 0
+        lines: list[wire.Event] = []
+        finished = 0
         while finished < 4:
-            lines.append(json.loads(proc.stdout.readline()))
-            finished += lines[-1]["ev"] == "fin"
+            lines.append(wire.decode_event(proc.stdout.readline()))
+            finished += isinstance(lines[-1], wire.Finished)
     finally:
         proc.stdin.close()
         proc.wait(60)
         proc.stdout.close()
-    batches = [line["b"] for line in lines if line["ev"] == "toks"]
-    assert max(len(b) for b in batches) == 9  # three sequences' id, text, token in one line
+    batches = [line.batch for line in lines if isinstance(line, wire.Tokens)]
+    assert max(len(b) for b in batches) == 3  # three sequences' id, text, token in one line
     for rid in ("r0", "r1", "r2"):
-        texts = [b[i + 1] for b in batches for i in range(0, len(b), 3) if b[i] == rid]
-        fin = next(line for line in lines if line["ev"] == "fin" and line["id"] == rid)
-        assert len(texts) == fin["ct"] == 6
-        assert lines.index(fin) > max(i for i, line in enumerate(lines) if rid in line.get("b", ()))
+        texts = [text for b in batches for r, text, _ in b if r == rid]
+        fin = next(x for x in lines if isinstance(x, wire.Finished) and x.id == rid)
+        assert len(texts) == fin.completion_tokens == 6
+        last_token = max(
+            i
+            for i, x in enumerate(lines)
+            if isinstance(x, wire.Tokens) and any(r == rid for r, _, _ in x.batch)
+        )
+        assert lines.index(fin) > last_token
     # a token with logprobs keeps its own "tok" event
-    assert [line["ev"] for line in lines if line.get("id") == "lp"] == ["start"] + ["tok"] * 6 + [
-        "fin"
-    ]
+    kinds = [type(x) for x in lines if getattr(x, "id", None) == "lp"]
+    assert kinds == [wire.Started, *[wire.Token] * 6, wire.Finished]

@@ -9,7 +9,6 @@ import asyncio
 import os
 import shutil
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -42,14 +41,6 @@ def engine_for(model: Path, branch: str = "q4_k_m") -> LlamaCppEngine:
         RestartPolicy(backoff_s=0.05, backoff_max_s=0.1, max_crashes=3),
         verified=a.verified(),
     )
-
-
-@pytest.fixture
-async def engines() -> AsyncIterator[list[LlamaCppEngine]]:
-    made: list[LlamaCppEngine] = []
-    yield made
-    for e in made:
-        await e.stop()
 
 
 async def test_a_crash_restart_refuses_a_file_rewritten_in_place_with_its_old_mtime(

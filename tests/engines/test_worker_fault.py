@@ -3,28 +3,15 @@ a real fault does, and only when asked."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
 
 from qrtest import demo_model_dir
+from quantroute.engines.base import SamplingParams
+from quantroute.engines.llamacpp import wire
 
-GEN = {
-    "op": "gen",
-    "id": "r1",
-    "prompt": "def ",
-    "s": {
-        "max_tokens": 4,
-        "temperature": 0.0,
-        "top_p": 1.0,
-        "top_k": 0,
-        "logprobs": False,
-        "top_logprobs": 0,
-        "stop": [],
-        "ignore_eos": True,
-    },
-}
+GEN = wire.Generate("r1", "def ", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
 
 
 def _worker(*fault: str) -> subprocess.Popen[bytes]:
@@ -35,18 +22,17 @@ def _worker(*fault: str) -> subprocess.Popen[bytes]:
     )
 
 
-def _generate(proc: subprocess.Popen[bytes]) -> list[dict[str, object]]:
+def _generate(proc: subprocess.Popen[bytes]) -> list[wire.Event]:
     """Wait for ready, send one generation, and read events until it finishes or the
     worker dies; then close stdin (the worker's signal to shut down)."""
     assert proc.stdin is not None and proc.stdout is not None
-    ready = json.loads(proc.stdout.readline())
-    assert ready["ev"] == "ready"
-    proc.stdin.write(json.dumps(GEN).encode() + b"\n")
+    assert isinstance(wire.decode_event(proc.stdout.readline()), wire.Ready)
+    proc.stdin.write(wire.encode(GEN))
     proc.stdin.flush()
     events = []
     while line := proc.stdout.readline():
-        events.append(json.loads(line))
-        if events[-1]["ev"] == "fin":
+        events.append(wire.decode_event(line))
+        if isinstance(events[-1], wire.Finished):
             break
     proc.stdin.close()
     proc.stdout.close()
@@ -57,12 +43,13 @@ def test_sigill_at_first_decode_dies_of_sigill_and_only_when_asked() -> None:
     faulty = _worker("--fault", "sigill-at-first-decode")
     events = _generate(faulty)
     assert faulty.wait(60) == -signal.SIGILL
-    assert [e["ev"] for e in events] == []  # it died before flushing even "start"
+    assert events == []  # it died before flushing even "start"
 
     healthy = _worker()
     events = _generate(healthy)
     assert healthy.wait(60) == 0
-    assert [e["ev"] for e in events] == ["start", "toks", "toks", "toks", "toks", "fin"]
+    kinds = [type(e) for e in events]
+    assert kinds == [wire.Started, *[wire.Tokens] * 4, wire.Finished]
 
 
 def test_exit_at_load_exits_3_before_ready() -> None:

@@ -5,32 +5,32 @@ held answers at once, and one cancelled before its turn is never tokenized."""
 from __future__ import annotations
 
 import io
-import json
-from typing import Any
 
 import pytest
 
 from qrtest import demo_model_dir
+from quantroute.engines.base import FinishReason, SamplingParams
+from quantroute.engines.llamacpp import wire
 from quantroute.engines.llamacpp.tokenizer import Pending
-from quantroute.engines.llamacpp.worker import Worker, parse_args
+from quantroute.engines.llamacpp.worker import Held, Worker, parse_args
 
 pytestmark = pytest.mark.slow
 
 
-def _gen(rid: str, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
-    s = {"max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
-    s |= {"stop": [], "logprobs": False, "top_logprobs": 0}
-    return {"op": "gen", "id": rid, "prompt": prompt, "s": s}
+def _gen(rid: str, prompt: str, max_tokens: int = 4) -> wire.Generate:
+    return wire.Generate(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
 
 
-def _events(out: io.BytesIO) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in out.getvalue().splitlines()]
+def _events(out: io.BytesIO) -> list[wire.Event]:
+    return [wire.decode_event(line) for line in out.getvalue().splitlines()]
 
 
-def _arrive(worker: Worker, cmd: dict[str, Any]) -> None:
+def _arrive(worker: Worker, cmd: wire.Generate) -> Held:
     """What the reader thread and then the loop do with a command."""
-    worker._start_tokenizing(cmd)
-    worker.handle(cmd)
+    held = worker.receive(cmd)
+    assert isinstance(held, Held)
+    worker.handle(held)
+    return held
 
 
 def test_held_commands_are_admitted_in_order_and_cancelled_at_once() -> None:
@@ -41,28 +41,27 @@ def test_held_commands_are_admitted_in_order_and_cancelled_at_once() -> None:
     slow = _gen("slow", "\x7f" * 200_000)  # about 1.5 s of llama.cpp's tokenizer
     mid = _gen("mid", "import os\n" * 2_000)  # long too: behind slow, in the long lane
     fast = _gen("fast", "def ")  # short: the other lane, never held behind slow
-    for cmd in (slow, mid, fast):
-        _arrive(worker, cmd)
-    assert [c["id"] for c in worker.held][:2] == ["slow", "mid"]  # still tokenizing
+    _, held_mid, _ = (_arrive(worker, cmd) for cmd in (slow, mid, fast))
+    assert [h.command.id for h in worker.held][:2] == ["slow", "mid"]  # still tokenizing
 
-    worker.handle({"op": "cancel", "id": "mid"})  # held, its turn not come
+    worker.handle(wire.Cancel("mid"))  # held, its turn not come
     worker.flush()
-    assert _events(out) == [
-        {"ev": "fin", "id": "mid", "reason": "cancelled", "pt": 0, "ct": 0, "t": ""}
-    ]
-    assert [c["id"] for c in worker.held if c["id"] != "fast"] == ["slow"]
+    assert _events(out) == [wire.Finished("mid", FinishReason.CANCELLED, 0, 0)]
+    assert [h.command.id for h in worker.held if h.command.id != "fast"] == ["slow"]
 
     while worker.held:  # the loop, woken by the tokenizer thread after each prompt
         worker.handle(worker.commands.get(timeout=30))
     worker.flush()
     refused = _events(out)[1]
-    assert (refused["id"], refused["code"], refused["pt"]) == (
+    assert isinstance(refused, wire.Error)
+    assert (refused.id, refused.code, refused.prompt_tokens) == (
         "slow",
         "context_length_exceeded",
         200_001,
     )
-    assert [seq.rid for seq in worker.waiting] == ["fast"] and worker.waiting[0].prompt
-    skipped = mid["_pending"]
+    waiting = worker.batcher.waiting
+    assert [seq.rid for seq in waiting] == ["fast"] and waiting[0].prompt
+    skipped = held_mid.pending
     assert isinstance(skipped, Pending) and skipped.done and skipped.tokens == []
 
 
@@ -70,11 +69,13 @@ def test_a_prompt_the_size_refuses_is_not_tokenized_and_ids_are_not_either() -> 
     args = parse_args(["--model", str(demo_model_dir() / "q8_0.gguf"), "--parallel", "1"])
     args.n_threads, args.n_ctx = 1, 128
     worker = Worker(args, io.BytesIO())
-    big = _gen("big", "x" * (128 * worker.max_piece_bytes))
-    ids = _gen("ids", "") | {"prompt_ids": [1, 72, 105]}
+    big = _gen("big", "x" * (128 * worker.model.max_piece_bytes))
+    ids = wire.Generate("ids", "", SamplingParams(max_tokens=4), prompt_ids=(1, 72, 105))
     text = _gen("text", "def ")
-    lying = _gen("lying", "def ") | {"_pending": "not ours"}  # from the pipe: dropped
-    for cmd in (big, ids, text, lying):
-        worker._start_tokenizing(cmd)
-    assert "_pending" not in big and "_pending" not in ids
-    assert isinstance(text["_pending"], Pending) and isinstance(lying["_pending"], Pending)
+    # a key the pipe brought that is not the command's (a worker's own state once was)
+    lying = wire.encode(_gen("lying", "def ")).replace(b'"op"', b'"_pending":"not ours","op"')
+    held = [worker.receive(cmd) for cmd in (big, ids, text, wire.decode_command(lying))]
+    assert all(isinstance(h, Held) for h in held)
+    pending = [h.pending for h in held if isinstance(h, Held)]
+    assert pending[:2] == [None, None]  # refused by its size / ids as they are
+    assert all(isinstance(p, Pending) for p in pending[2:])

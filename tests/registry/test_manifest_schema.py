@@ -52,6 +52,9 @@ def test_versions_traffic_remote_device_and_options_parse(model: Path) -> None:
             "url": "http://10.0.0.7:8000/v1",
             "precision": "f16",
             "engine": "openai",
+            "remote_model": "llama-3-8b-fp8",
+            "api_key_env": "GPU_A_KEY",
+            "remote": {"max_connections": 8, "server": "vllm"},
         }
 
     _edit(model, change)
@@ -63,8 +66,10 @@ def test_versions_traffic_remote_device_and_options_parse(model: Path) -> None:
     v1, v2 = check_versions(model, manifest)
     assert [a.route for a in v2] == ["tiny-llama@v2"]
     remote = next(a for a in v1 if a.name == "fp8")
-    assert remote.problem is not None and "remote engine openai" in remote.problem
-    assert all(a.problem is None for a in v1 if a.name != "fp8")
+    assert remote.problem is None and remote.device == "remote:10.0.0.7:8000"
+    assert remote.spec is not None and remote.spec.remote.max_connections == 8
+    assert remote.spec.remote_model == "llama-3-8b-fp8" and remote.verified() is None
+    assert all(a.problem is None for a in v1)
     # the file written back reads the same
     write_manifest(model, manifest)
     assert load_manifest(model) == manifest

@@ -161,7 +161,7 @@ async def test_the_server_places_on_the_gpu_and_routes_by_its_free_memory(
     # Stand in a CUDA build's answer; the workers then run with --n-gpu-layers -1, which the
     # CPU build ignores, so everything but the GPU itself is real.
     monkeypatch.setattr(
-        "quantroute.api.gateway.probe_build", lambda: SimpleNamespace(gpu_offload=True)
+        "quantroute.api.parts.probe_build", lambda: SimpleNamespace(gpu_offload=True)
     )
     gpu = nvml_kit.Gpu(total=80 * GiB, used=1 * GiB)
     provider = CompositeProvider([NvmlProvider(nvml_kit.Nvml([gpu])), CpuProvider()])

@@ -55,18 +55,26 @@ def create_app(
     moves what exists once the gateway has started out of the garbage collector's
     sight (:func:`freeze_startup_heap`)."""
     gateway = Gateway(settings, table, provider)
-    streams = StreamStore(settings.streams)  # streamed responses, kept for resuming
+    copies = gateway.fleet.copies if gateway.fleet is not None else None  # to Redis
+    streams = StreamStore(settings.streams, copies)  # streamed responses, kept for resuming
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await asyncio.to_thread(pattern.warm)  # once per process, off the event loop
         await gateway.start()
+        grpc_server = None
+        if settings.server.grpc_port:  # gRPC beside HTTP (grpcapi/); imported only when on
+            from quantroute.grpcapi.server import start_grpc
+
+            grpc_server = await start_grpc(gateway.service, gateway.tenants, settings)
         frozen = freeze_gc and freeze_startup_heap()
         try:
             yield
         finally:
             if frozen:
                 gc.unfreeze()
+            if grpc_server is not None:
+                await grpc_server.stop()
             await streams.close()  # their producers hold runs on the gateway's engines
             await gateway.stop()
 

@@ -1,4 +1,5 @@
-"""From a repository scan to routes: one llama.cpp engine per branch of every version.
+"""From a repository scan to routes: one engine per branch of every version, built by
+its entry of the engine table (``engines.table``).
 
 :class:`Catalog` is what the gateway builds its first route table with and
 what a reload builds the next one with. A route's ``fingerprint`` is what
@@ -12,14 +13,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from quantroute.config import Settings
 from quantroute.engines.base import Engine
-from quantroute.engines.llamacpp.engine import LlamaCppEngine, WorkerOptions
 from quantroute.engines.supervisor import RestartPolicy
+from quantroute.engines.table import ENGINES, BuildContext, EngineKind
+from quantroute.engines.table import default_threads as default_threads  # its old home
 from quantroute.quality.profile import PROFILE_NAME, Trust, load_profiles, stale_profiles
 from quantroute.registry.digests import Digests
 from quantroute.registry.manifest import BranchArtifact
@@ -33,13 +34,10 @@ from quantroute.types import versioned_name
 log = logging.getLogger(__name__)
 
 
-def default_threads(n_workers: int, cores: int | None = None) -> int:
-    """Threads per worker when not configured: the cores split among the workers,
-    one core left to the gateway. llama.cpp's threads spin while they wait, so
-    workers that together ask for more threads than there are cores slow each
-    other down by an order of magnitude on a small host."""
-    cores = cores or len(os.sched_getaffinity(0))
-    return max(1, (cores - 1) // max(n_workers, 1))
+def local_workers(scan: RepositoryScan) -> int:
+    """How many branches of ``scan`` run in local worker processes (they share the
+    host's cores; a remote branch costs none)."""
+    return sum(1 for m in scan.models for v in m.versions for a in v if a.url is None)
 
 
 def fingerprint(a: BranchArtifact) -> str:
@@ -62,8 +60,12 @@ class ModelBuild:
 
 
 class Catalog:
-    def __init__(self, settings: Settings):
+    """Routes from scans; ``engines`` is the engine table branches are built from (a
+    test may add an engine to it)."""
+
+    def __init__(self, settings: Settings, engines: Mapping[str, EngineKind] = ENGINES):
         self._settings = settings
+        self._engines = engines
         e = settings.engine
         self._policy = RestartPolicy(
             backoff_s=e.restart_backoff_s,
@@ -93,13 +95,14 @@ class Catalog:
             memory_bytes=r.check_memory_bytes,
             digests=self.digests,
             follow_links=r.follow_links,
+            engines=self._engines,
         )
 
     def build_all(self, scan: RepositoryScan) -> list[ModelBuild]:
         """Every model of ``scan`` with new engines (the first table), CPUs pinned as
         configured."""
         e, t = self._settings.engine, self._settings.telemetry
-        n_workers = sum(len(v) for m in scan.models for v in m.versions)
+        n_workers = local_workers(scan)
         pinning = (
             plan_cpu_affinity(n_workers, pinned=t.cpu_affinity)
             if (e.pin_cpus or t.cpu_affinity) and n_workers
@@ -140,7 +143,7 @@ class Catalog:
                 old = keep.get(f"{name}:{a.name}")
                 engine = old[1] if old is not None and old[0] == fp else None
                 if engine is None:
-                    pinned = next(cpus, ()) if cpus is not None else ()
+                    pinned = next(cpus, ()) if cpus is not None and a.url is None else ()
                     engine = self.engine(name, a, n_workers, pinned)
                     new = Branch(name, a.name, a.precision, a, engine, profiles[a.name])
                     fresh.append(new)
@@ -163,25 +166,9 @@ class Catalog:
 
     def engine(
         self, route: str, a: BranchArtifact, n_workers: int, cpus: tuple[int, ...] = ()
-    ) -> LlamaCppEngine:
-        """A new (unstarted) engine for ``a``: the settings, then the branch's options."""
-        e = self._settings.engine
-        o = a.spec.options if a.spec is not None else None
-        threads = e.n_threads or (len(cpus) if cpus else default_threads(n_workers))
-        options = WorkerOptions(
-            n_ctx=(o.n_ctx if o else None) or e.n_ctx,
-            parallel=(o.parallel if o else None) or e.parallel,
-            n_threads=(o.n_threads if o else None) or threads,
-            n_batch=(o.n_batch if o else None) or e.n_batch,
-            log_level=self._settings.server.log_level,
-            start_timeout_s=e.start_timeout_s,
-            gen_idle_timeout_s=e.gen_idle_timeout_s,
-            score_timeout_s=e.score_timeout_s,
-            max_event_bytes=e.max_event_bytes,
-            prompt_cache=e.prompt_cache,
-            cpus=cpus,
-            fault=e.fault_for(route, a.name) or e.fault_for(a.model, a.name),
+    ) -> Engine:
+        """A new (unstarted) engine for ``a``, built by its entry of the engine table."""
+        context = BuildContext(
+            self._settings, self._policy, route, n_workers, cpus, secret=self._settings.secret
         )
-        return LlamaCppEngine(
-            f"{route}:{a.name}", a.path, options, self._policy, verified=a.verified()
-        )
+        return self._engines[a.engine].build(context, a)

@@ -16,13 +16,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
-from quantroute.routing.table import Branch
-
-if TYPE_CHECKING:
-    from quantroute.api.gateway import Gateway
+from quantroute.routing.table import Branch, RouteTableRef
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +28,23 @@ T = TypeVar("T")
 
 
 class Drains:
-    def __init__(self, gateway: Gateway, lock: asyncio.Lock | None = None):
-        self._gateway = gateway
+    """The drains of ``routes``' replaced branches. ``forget(branch_id)``: an id the table
+    no longer serves loses its placement and residency (the composition root's);
+    ``quiet_s`` and ``timeout_s``: ``repository.drain_quiet_s`` and ``drain_timeout_s``."""
+
+    def __init__(
+        self,
+        routes: RouteTableRef,
+        forget: Callable[[str], None],
+        *,
+        quiet_s: float,
+        timeout_s: float,
+        lock: asyncio.Lock | None = None,
+    ):
+        self._routes = routes
+        self._forget = forget
+        self._quiet_s = quiet_s
+        self._timeout_s = timeout_s
         # the reloads' lock: a drain forgets an id's placement only between reloads, never
         # while one is placing and starting a new worker for that id
         self._lock = lock or asyncio.Lock()
@@ -59,10 +71,9 @@ class Drains:
 
     async def drain(self, retired: Sequence[Branch]) -> int:
         """Wait for ``retired``'s requests to finish, then stop their workers; how many."""
-        settings = self._gateway.settings.repository
         mine = list(retired)
         self._draining += mine
-        deadline = time.monotonic() + settings.drain_timeout_s
+        deadline = time.monotonic() + self._timeout_s
         quiet_since: float | None = None
         try:
             while not self._closing.is_set():
@@ -72,14 +83,14 @@ class Drains:
                     quiet_since = None
                 elif quiet_since is None:
                     quiet_since = now
-                if quiet_since is not None and now - quiet_since >= settings.drain_quiet_s:
+                if quiet_since is not None and now - quiet_since >= self._quiet_s:
                     break
                 if now >= deadline:
                     log.warning(
                         "reload: %d requests still on the replaced branches after %.0f s; "
                         "stopping them",
                         busy,
-                        settings.drain_timeout_s,
+                        self._timeout_s,
                     )
                     break
                 with contextlib.suppress(TimeoutError):
@@ -100,8 +111,8 @@ class Drains:
             # an id the table serves now (a later reload may have brought it back) keeps
             # its placement; the others' go, decided between reloads
             async with self._lock:
-                if b.id not in {x.id for x in self._gateway.routes.current.branches()}:
-                    self._gateway.forget(b.id)
+                if b.id not in {x.id for x in self._routes.current.branches()}:
+                    self._forget(b.id)
 
     async def close(self) -> None:
         """The gateway is stopping: every drain stops its workers now; wait for them."""

@@ -16,8 +16,14 @@ part                        what it does
 ``breakers``                one circuit breaker per branch; ``retry_budget`` (``resilience``)
 ``tenants``, ``limits``     client keys and each tenant's limits (``resilience.tenants``)
 ``admission``               the bounded, prioritised queue in front of each model
+``catalog``, ``reloader``   route tables from the repository; hot reloads (``api.reload``)
+``cluster``                 drains, traffic rules and tenants: etcd's, watched (``cluster``)
+``operator``                the admin actions: pressure, restarts, drains (``api.operator``)
+``runner``                  runs a job on its decision's branches (``api.runner``)
 ``service``                 the one object the HTTP routes call (``api.service``)
 ==========================  =================================================================
+
+Each part is handed what it uses, never the ``Gateway``: a test builds one from plain data.
 
 It also listens to the engines (:class:`~quantroute.engines.EngineListener`)
 and passes what they say to the parts that care: a branch that becomes ready
@@ -33,34 +39,31 @@ from collections import Counter
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from quantroute.api.catalog import Catalog, ModelBuild
-from quantroute.api.reload import Reloader, ReloadReport
+from quantroute.api.catalog import Catalog
+from quantroute.api.operator import Operator
+from quantroute.api.parts import breakers_from, drift_monitor, find_sim, gpu_offload, table_of
+from quantroute.api.reload import Reloader, ReloadReport, Wiring
 from quantroute.api.run import Run
+from quantroute.api.runner import Runner, serves
 from quantroute.api.service import Service
+from quantroute.api.views import ViewSources
+from quantroute.cluster import ClusterState
+from quantroute.cluster.redis_fleet import RedisFleet
 from quantroute.config import Settings
 from quantroute.engines.base import Engine
 from quantroute.engines.exits import crashed
-from quantroute.engines.llamacpp.build import probe_build
 from quantroute.observability import Observer
-from quantroute.quality.drift import Baseline, DriftMonitor, Replay
+from quantroute.quality.drift import DriftMonitor, Replay
 from quantroute.registry.watcher import watch_repository
-from quantroute.resilience import (
-    Admission,
-    BreakerPolicy,
-    Breakers,
-    RetryBudget,
-    TenantLimits,
-    load_tenants,
-)
+from quantroute.resilience import Admission, RetryBudget, TenantLimits, load_tenants
 from quantroute.routing.residency import Residency
 from quantroute.routing.speeds import ObservedSpeeds, observe_finished
 from quantroute.routing.states import BranchStates, RecentRate
 from quantroute.routing.table import Branch, RouteTable, RouteTableRef
 from quantroute.shaping.template_pool import close_default_pool
-from quantroute.telemetry import DevicePoller, DeviceProvider, SimDeviceProvider
+from quantroute.telemetry import DevicePoller, DeviceProvider
 from quantroute.telemetry.occupancy import Occupancy, PlacementRequest
 from quantroute.telemetry.selection import (
-    CompositeProvider,
     health_from_settings,
     margin_from_settings,
     poller_from_settings,
@@ -72,24 +75,10 @@ from quantroute.types import split_version
 log = logging.getLogger(__name__)
 
 
-def find_sim(provider: DeviceProvider) -> SimDeviceProvider | None:
-    if isinstance(provider, SimDeviceProvider):
-        return provider
-    if isinstance(provider, CompositeProvider):
-        return next((p for p in provider.providers if isinstance(p, SimDeviceProvider)), None)
-    return None
-
-
 def build_routes(settings: Settings) -> RouteTable:
-    """One llama.cpp engine per branch of every model in the repository (not started)."""
+    """One engine per branch of every model in the repository (not started)."""
     catalog = Catalog(settings)
-    builds = catalog.build_all(catalog.scan())
-    return _table(builds)
-
-
-def _table(builds: list[ModelBuild], generation: int = 0) -> RouteTable:
-    routes = [r for b in builds for r in b.routes]
-    return RouteTable.build(routes, generation, [b.split for b in builds if b.split])
+    return table_of(catalog.build_all(catalog.scan()))
 
 
 class Gateway:
@@ -108,17 +97,11 @@ class Gateway:
         self.margin = margin_from_settings(settings.telemetry)
         self.popularity = RecentRate()
         r = settings.resilience
-        self.breakers = Breakers(
-            BreakerPolicy(
-                failures_to_open=r.breaker_failures,
-                open_base_s=r.breaker_open_s,
-                open_max_s=r.breaker_open_max_s,
-                half_open_probes=r.breaker_half_open_probes,
-            )
-        )
+        self.breakers = breakers_from(r)
         self.retry_budget = RetryBudget(ratio=r.retry_ratio, min_retries=r.retry_min)
         self.tenants = load_tenants(settings.auth.tenants_file)
-        self.limits = TenantLimits()
+        self.fleet = RedisFleet.of(settings)  # streams and limits shared over Redis
+        self.limits = TenantLimits() if self.fleet is None else self.fleet.limits
         # admission.* is Admission's own keywords: queue_size, slots_factor, retry_after_s
         a = settings.admission.model_dump()
         self.admission = Admission(**a, in_flight_of=self.limits.in_flight)
@@ -145,6 +128,9 @@ class Gateway:
             popularity=self.popularity,
             reload_margin_bytes=settings.routing.reload_margin_bytes,
         )
+        self.cluster = ClusterState(  # drains, traffic rules, tenants: etcd's, or this one's
+            settings.cluster, self.routes, self.residency.set_drained, self.tenants
+        )
         self.drift = DriftMonitor(settings.drift, reference={}, scorers={}, baselines={})
         self.states = BranchStates(
             self.routes,
@@ -168,17 +154,69 @@ class Gateway:
             served=lambda ref: self.routes.current.serves(ref),
         )
         self.catalog = Catalog(settings)
-        self.reloader = Reloader(self)
-        self.reloader.hooks.append(self._count_reload)
-        self.service = Service(self)
         self._branch_of: dict[int, Branch] = {}
         self.superseded: dict[str, str] = {}  # branch id -> why its worker stays down
         self.answered: Counter[str] = Counter()  # model@version -> requests it answered
         self._tasks: set[asyncio.Task[None]] = set()
+        self.reloader = Reloader(
+            self.routes,
+            None if self.fixed_table else self.catalog,
+            self.occupancy,
+            Wiring(self.attach, self.detach, self.swap, self.forget, self.residency.start),
+            superseded=self.superseded,
+            repository=settings.repository,
+        )
+        self.reloader.hooks.append(self._count_reload)
+        self.runner = Runner(
+            self.routes,
+            self.breakers,
+            self.retry_budget,
+            self.limits,
+            first_token_timeout_s=r.first_token_timeout_s,
+            retry_after_s=settings.routing.retry_after_s,
+            finished=self.finished,
+        )
+        self.service = Service(
+            self.routes,
+            self.states,
+            self.residency.routable,
+            self.admission,
+            self.limits,
+            self.observer,
+            self.runner,
+            ViewSources(
+                routes=self.routes,
+                occupancy=self.occupancy,
+                residency=self.residency,
+                speeds=self.states.speeds,
+                drift=lambda: self.drift,
+                breakers=self.breakers,
+                retry_budget=self.retry_budget,
+                admission=self.admission,
+                poller=self.poller,
+                health=self.health,
+                margin=self.margin,
+                observer=self.observer,
+                superseded=self.superseded,
+                answered=self.answered,
+                repository=self.reloader.status,
+                cluster=self.cluster,
+                redis=lambda: None if self.fleet is None else self.fleet.status(),
+            ),
+            self.reloader.reload,
+            routing=settings.routing,
+            limits=settings.limits,
+            operator=Operator(
+                self.routes, self.cluster, settings.routing.retry_after_s, self.occupancy.sim
+            ),
+        )
 
     # -- lifecycle ------------------------------------------------------------
 
     async def start(self) -> None:
+        await self.cluster.start()  # etcd's tenants, drains and rules before anything serves
+        if self.fleet is not None:
+            await self.fleet.start()
         if self.tenants.open:
             log.warning(
                 "no client API keys are configured (auth.tenants_file): the API is open to "
@@ -195,14 +233,14 @@ class Gateway:
             scan = await asyncio.to_thread(self.catalog.scan)
             builds = self.catalog.build_all(scan)
             self.reloader.adopt(scan, builds)
-            table = _table(builds)
-        self.routes.current = table
+            table = table_of(builds)
+        self.routes.current = self.cluster.overlay(table)  # etcd's traffic rules, if any
         branches = table.branches()
         self._branch_of = {id(b.engine): b for b in branches}
         for branch in branches:
             branch.engine.listen(self)
         if any(d.kind is DeviceKind.CUDA for d in self.poller.snapshot.devices):
-            await self._learn_gpu_offload()
+            self.occupancy.gpu_offload = await gpu_offload()
         requests = [
             PlacementRequest(b.id, b.engine.model_path, b.artifact.problem, b.artifact.device)
             for b in branches
@@ -213,7 +251,7 @@ class Gateway:
             if placement is not None:
                 branch.engine.offload(placement.offload)
         await self.residency.start(branches)
-        self.drift = self._drift_monitor(table)
+        self.drift = drift_monitor(self.settings.drift, table)
         self.drift.start()
         if self.settings.routing.residency:
             self._spawn(self.residency.run(self.settings.telemetry.poll_interval_s))
@@ -228,18 +266,6 @@ class Gateway:
             if why:
                 log.error("%s: failed: %s", b.id, why)
 
-    async def _learn_gpu_offload(self) -> None:
-        """Ask the llama.cpp build (in a subprocess: a broken build must not kill us)
-        whether it can offload to a GPU; branches go on the GPUs only if so."""
-        try:
-            info = await asyncio.to_thread(probe_build)
-        except Exception as exc:  # an unreadable build: place on the CPU, and say so
-            log.error("llama.cpp build not probed (%s); placing branches on the CPU", exc)
-            return
-        self.occupancy.gpu_offload = info.gpu_offload
-        if not info.gpu_offload:
-            log.warning("this machine has a GPU but the llama.cpp build has no CUDA: see doctor")
-
     async def stop(self) -> None:
         await self.drift.stop()
         for task in self._tasks:
@@ -250,29 +276,15 @@ class Gateway:
         await self.poller.stop()
         await asyncio.to_thread(close_default_pool)  # the chat templates' render processes
         self._provider.close()
+        await self.cluster.stop()  # the watch
+        if self.fleet is not None:
+            await self.fleet.stop()  # after the stream store closed (api/app.py)
         self.observer.shutdown()  # last: the spans of the requests that just ended
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _drift_monitor(self, table: RouteTable) -> DriftMonitor:
-        scorers = {b.id: b.engine for b in table.branches() if b.engine.can_score}
-        reference = {
-            b.id: f"{route.name}:{route.reference}"
-            for route in table.models.values()
-            for b in route.branches
-            if b.id in scorers
-        }
-        baselines = {
-            b.id: Baseline(b.profile.mean_kld, b.profile.top1)
-            for b in table.branches()
-            if b.profile is not None
-        }
-        return DriftMonitor(
-            self.settings.drift, reference=reference, scorers=scorers, baselines=baselines
-        )
 
     # -- reloads (api.reload decides; these wire the parts) ----------------------
 
@@ -303,9 +315,9 @@ class Gateway:
             if b.engine.ready:
                 self.superseded.pop(b.id, None)
         previous = self.routes.current
-        self.routes.current = table  # one reference assignment: requests see old or new
+        self.routes.current = self.cluster.overlay(table)  # one assignment: old or new
         old = self.drift
-        self.drift = self._drift_monitor(table)
+        self.drift = drift_monitor(self.settings.drift, table)
         engines = {b.id: b.engine for b in previous.branches()}
         self.drift.adopt(old, [b.id for b in table.branches() if engines.get(b.id) is b.engine])
         self.drift.start()
@@ -314,9 +326,7 @@ class Gateway:
     def serves(self, branch: Branch) -> bool:
         """Whether ``branch``'s worker is the one the route table serves its id with now
         (a reload may have replaced it; the replaced one drains)."""
-        route = self.routes.current.models.get(branch.model)
-        now = route.branch(branch.name) if route is not None else None
-        return now is not None and now.engine is branch.engine
+        return serves(self.routes.current, branch)
 
     def forget(self, branch_id: str) -> None:
         """A branch id no longer in the table: its placement and residency go."""
@@ -329,15 +339,6 @@ class Gateway:
     def _device_of(self, branch_id: str) -> str | None:
         placement = self.occupancy.get(branch_id)
         return placement.device if placement is not None else None
-
-    def capacity(self, model: str) -> int:
-        """Requests of ``model`` that may run at once: its routable branches' slots."""
-        route = self.routes.current.models.get(model)
-        slots = 0
-        for b in route.branches if route else ():
-            if self.residency.routable(b) and b.engine.info is not None:
-                slots += b.engine.info.parallel
-        return self.admission.capacity(slots)
 
     def _count_reload(self, report: ReloadReport) -> None:
         # "failed": some model kept its old version, which serves on (rejected, in metrics)
@@ -390,8 +391,3 @@ class Gateway:
         branch = self._branch_of.get(id(engine))
         name = branch.id if branch is not None else engine.name
         log.error("%s: branch failed: %s; routing skips it until it is restarted", name, cause)
-
-    async def restart(self, branch: Branch) -> None:
-        """An operator's restart of a (failed) branch."""
-        log.warning("%s: restart requested", branch.id)
-        await branch.engine.restart()

@@ -21,7 +21,7 @@ table no longer has is tried on its old worker while that drains, and its
 failure is a fallback that no circuit breaker counts.
 
 A branch whose worker was stopped because its file was replaced on disk
-(``Gateway.superseded``) is never kept by a reload, even with the same
+(``superseded``, the composition root's) is never kept by a reload, even with the same
 fingerprint: it gets a new, started worker. Every reload first asks each
 running worker's engine whether the file it loaded is still the verified one
 (``LlamaCppEngine.file_moved``: rewritten in place, its mtime set back or
@@ -35,6 +35,11 @@ serving) and the failure is logged, counted by outcome and kept for
 metrics hook: observability can count ``reloads_total{outcome}`` from it),
 once its drain is over. Reloads run one at a time up to the swap; their drains
 overlap.
+
+The composition root hands a :class:`Reloader` what it uses: the route table's
+reference, the catalog, the occupancy, a :class:`Wiring` of the root's own actions
+(hear new engines, detach leaving ones, swap, forget an id), what it superseded, and
+the repository settings.
 """
 
 from __future__ import annotations
@@ -43,20 +48,20 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from quantroute.api.catalog import ModelBuild
+from quantroute.api.catalog import Catalog, ModelBuild, local_workers
 from quantroute.api.drain import Drains
+from quantroute.config import RepositorySettings
 from quantroute.engines.llamacpp.engine import LlamaCppEngine
-from quantroute.routing.table import Branch, ModelRoute, RouteTable
+from quantroute.routing.table import Branch, ModelRoute, RouteTable, RouteTableRef
 from quantroute.routing.versions import VersionSplit
-from quantroute.telemetry.occupancy import PlacementRequest
+from quantroute.telemetry.occupancy import Occupancy, PlacementRequest
 
 if TYPE_CHECKING:
-    from quantroute.api.gateway import Gateway
     from quantroute.registry.repository import RepositoryScan
 
 log = logging.getLogger(__name__)
@@ -84,9 +89,36 @@ class ReloadReport:
         return asdict(self)
 
 
+@dataclass(frozen=True, slots=True)
+class Wiring:
+    """What a reload asks of the parts around the table (the composition root's wiring)."""
+
+    attach: Callable[[Sequence[Branch]], None]  # new branches: their engines are heard
+    detach: Callable[[Sequence[Branch]], None]  # leaving: their events reach no part
+    swap: Callable[[RouteTable, Sequence[Branch]], None]  # serve it; the branches drain
+    forget: Callable[[str], None]  # an id no longer served: its placement, residency go
+    start: Callable[[Sequence[Branch]], Awaitable[None]]  # residency's: start, warm up
+
+
 class Reloader:
-    def __init__(self, gateway: Gateway):
-        self._gateway = gateway
+    """Reloads ``catalog``'s repository into ``routes`` (``None``: a table given whole,
+    nothing to reload from); ``superseded``: the ids whose worker stays down."""
+
+    def __init__(
+        self,
+        routes: RouteTableRef,
+        catalog: Catalog | None,
+        occupancy: Occupancy,
+        wiring: Wiring,
+        *,
+        superseded: Mapping[str, str],
+        repository: RepositorySettings,
+    ):
+        self._routes = routes
+        self._catalog = catalog
+        self._occupancy = occupancy
+        self._wiring = wiring
+        self._superseded = superseded
         self._lock = asyncio.Lock()
         self._stopped = False  # the gateway is stopping: no reload swaps any more
         self.fingerprints: dict[str, str] = {}  # branch id -> fingerprint of the serving one
@@ -96,7 +128,13 @@ class Reloader:
         self._last_started = self._last_failure_started = float("-inf")  # monotonic
         self.last_failure: ReloadReport | None = None
         self.hooks: list[Callable[[ReloadReport], None]] = []
-        self.drains = Drains(gateway, self._lock)
+        self.drains = Drains(
+            routes,
+            wiring.forget,
+            quiet_s=repository.drain_quiet_s,
+            timeout_s=repository.drain_timeout_s,
+            lock=self._lock,
+        )
 
     def adopt(self, scan: RepositoryScan, builds: Sequence[ModelBuild]) -> None:
         """The first table's fingerprints and folders (the gateway's start)."""
@@ -107,7 +145,7 @@ class Reloader:
     def status(self) -> dict[str, Any]:
         """The repository part of ``GET /admin/status``."""
         return {
-            "generation": self._gateway.routes.current.version,
+            "generation": self._routes.current.version,
             "reloads": {k: self.counts.get(k, 0) for k in ("swapped", "unchanged", "failed")},
             "last": self.last.to_json() if self.last else None,
             "last_failure": self.last_failure.to_json() if self.last_failure else None,
@@ -122,23 +160,23 @@ class Reloader:
         async with self._lock:
             started = time.monotonic()
             try:
-                if self._gateway.fixed_table:
+                catalog = self._catalog
+                if catalog is None:
                     raise RuntimeError(
                         "this gateway serves a route table it was given, no repository"
                     )
                 if self._stopped:  # its new workers would outlive the gateway's stop
                     raise RuntimeError("the gateway is stopping")
-                report, retired = await self._reload(trigger, started)
+                report, retired = await self._reload(catalog, trigger, started)
             except Exception as exc:  # a bug or an unreadable repository: keep serving
-                log.error(
-                    "reload (%s) failed: %s", trigger, exc, exc_info=not self._gateway.fixed_table
-                )
+                fixed = self._catalog is None
+                log.error("reload (%s) failed: %s", trigger, exc, exc_info=not fixed)
                 report, retired = (
                     ReloadReport(
                         "failed",
                         trigger,
                         time.time(),
-                        self._gateway.routes.current.version,
+                        self._routes.current.version,
                         time.monotonic() - started,
                         None,
                         time.monotonic() - started,
@@ -184,26 +222,27 @@ class Reloader:
                 log.exception("reload hook failed")
         return report
 
-    async def _reload(self, trigger: str, started: float) -> tuple[ReloadReport, list[Branch]]:
-        gateway = self._gateway
-        scan = await asyncio.to_thread(gateway.catalog.scan)  # validate + verify, off the loop
+    async def _reload(
+        self, catalog: Catalog, trigger: str, started: float
+    ) -> tuple[ReloadReport, list[Branch]]:
+        scan = await asyncio.to_thread(catalog.scan)  # validate + verify, off the loop
         check_s = time.monotonic() - started
-        current = gateway.routes.current
+        current = self._routes.current
         failures: dict[str, str] = {}
         moved = _refuse_moved(current.branches())
         keep = {  # a worker stopped for a file replaced on disk is not kept: it gets a new one
             b.id: (self.fingerprints.get(b.id, ""), b.engine)
             for b in current.branches()
-            if b.id not in gateway.superseded and b.id not in moved
+            if b.id not in self._superseded and b.id not in moved
         }
-        n_workers = sum(len(v) for m in scan.models for v in m.versions)
+        n_workers = local_workers(scan)
         builds: list[ModelBuild] = []
         for entry in scan.models:
             bad = [a.problem for v in entry.versions for a in v if a.problem and a.url is None]
             if bad:
                 failures[entry.manifest.model] = "; ".join(p for p in bad if p)
             else:
-                builds.append(gateway.catalog.build(entry, keep, n_workers))
+                builds.append(catalog.build(entry, keep, n_workers))
         for directory, problem in zip(scan.failed, scan.problems, strict=True):
             failures[self._models_of.get(directory, directory.name)] = problem
 
@@ -212,7 +251,7 @@ class Reloader:
         try:
             return await self._swap(trigger, started, check_s, scan, builds, fresh, failures)
         except BaseException:  # a bug, or the gateway stopping: no started worker is left over
-            serving = {id(b.engine) for b in gateway.routes.current.branches()}
+            serving = {id(b.engine) for b in self._routes.current.branches()}
             left = [b.engine for b in fresh if id(b.engine) not in serving]
             await asyncio.shield(asyncio.gather(*(e.stop() for e in left), return_exceptions=True))
             raise
@@ -228,8 +267,7 @@ class Reloader:
         failures: dict[str, str],
     ) -> tuple[ReloadReport, list[Branch]]:
         """Swap in the new table; the report at the swap, and the branches to drain."""
-        gateway = self._gateway
-        current = gateway.routes.current
+        current = self._routes.current
 
         routes: list[ModelRoute] = []
         splits: list[VersionSplit] = []
@@ -261,7 +299,7 @@ class Reloader:
                 outcome, trigger, time.time(), current.version, check_s, None, now, (), failures
             )
             return report, []
-        gateway.swap(table, retired)
+        self._wiring.swap(table, retired)
         swap_s = time.monotonic() - started
         self.fingerprints = fingerprints
         self._models_of = {
@@ -289,8 +327,7 @@ class Reloader:
         the placements of the branches it would have replaced put back."""
         if not fresh:
             return builds
-        gateway = self._gateway
-        occupancy = gateway.occupancy
+        occupancy, wiring = self._occupancy, self._wiring
         before = {b.id: occupancy.get(b.id) for b in fresh}
         requests = [
             PlacementRequest(b.id, b.engine.model_path, b.artifact.problem, b.artifact.device)
@@ -301,8 +338,8 @@ class Reloader:
             placement = occupancy.get(b.id)
             if placement is not None:
                 b.engine.offload(placement.offload)
-        gateway.attach(fresh)
-        await gateway.residency.start(fresh)
+        wiring.attach(fresh)
+        await wiring.start(fresh)
         ok: list[ModelBuild] = []
         for build in builds:
             down = [
@@ -314,7 +351,7 @@ class Reloader:
             failures[build.model] = "; ".join(
                 f"{b.id}: {b.engine.failure or 'did not become ready'}" for b in down
             )
-            gateway.detach(build.new_branches)
+            wiring.detach(build.new_branches)
             for b in build.new_branches:
                 await b.engine.stop()
                 occupancy.restore(b.id, before.get(b.id))

@@ -167,7 +167,7 @@ async def resume_stream(
     key = stream_id.removeprefix("chatcmpl-").removeprefix("cmpl-")  # a chunk's id works too
     after = _resume_after(key, last_event_id, _seq(starting_after, "starting_after"))
     token = x_quantroute_stream_token
-    stream = _streams(request).get(
+    stream = await _streams(request).find(  # this gateway's, else the fleet's copy (Redis)
         key, tenant.name, after, token=token, token_required=is_open(request)
     )
     if after is not None and after >= stream.next_seq:  # no client can have seen it
@@ -345,3 +345,16 @@ async def set_pressure(request: Request, device_id: str) -> dict[str, Any]:
 async def restart_branch(request: Request, branch_id: str) -> dict[str, Any]:
     """Restart a branch's engine (clears a failure): after fixing what failed it."""
     return await _service(request).restart(branch_id)
+
+
+@router.post("/admin/branches/{branch_id}/drain", dependencies=[Depends(require_admin)])
+async def drain_branch(request: Request, branch_id: str) -> dict[str, Any]:
+    """No new requests for the branch, on every gateway of the fleet; those in flight
+    finish (docs/cluster.md)."""
+    return await _service(request).drain(branch_id)
+
+
+@router.post("/admin/branches/{branch_id}/undrain", dependencies=[Depends(require_admin)])
+async def undrain_branch(request: Request, branch_id: str) -> dict[str, Any]:
+    """The drained branch takes requests again, on every gateway of the fleet."""
+    return await _service(request).undrain(branch_id)

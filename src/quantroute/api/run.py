@@ -317,6 +317,9 @@ class Run:
             if index == 0:
                 self._tokens.append(event.token_id)
         elif isinstance(event, FinishEvent):
+            if event.prompt_tokens and not self.prompt_tokens[index]:
+                # an engine that learns the prompt's size only at the end (a remote server)
+                self.prompt_tokens[index] = event.prompt_tokens
             self.job.trace.choice_finished(index, event)
             self.held = self.held or event.held
             self._finished += 1

@@ -13,6 +13,10 @@ the table no longer has, or whose new file is not, is tried on its old worker
 while it drains, and
 its failure (the worker stopped) moves on like any other, counted by no
 circuit breaker.
+
+The composition root hands a :class:`Runner` what it uses: the route table's reference,
+the circuit breakers, the retry budget, the tenants' limits, two timings and the
+callback told of each finished request; a test builds one from plain data.
 """
 
 from __future__ import annotations
@@ -20,8 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
 
 from quantroute.api.jobs import Job
 from quantroute.api.run import Run, close_all
@@ -32,24 +35,43 @@ from quantroute.errors import (
     EngineError,
     ServiceUnavailableError,
 )
-from quantroute.routing.table import Branch
-
-if TYPE_CHECKING:
-    from quantroute.api.gateway import Gateway
+from quantroute.resilience import Breakers, RetryBudget
+from quantroute.resilience.tenants import Limits
+from quantroute.routing.table import Branch, RouteTable, RouteTableRef
 
 log = logging.getLogger(__name__)
 
 
 class Runner:
-    def __init__(self, gateway: Gateway):
-        self._gateway = gateway
-        self._settings = gateway.settings
+    """Runs jobs on ``routes``' branches. ``first_token_timeout_s``: the longest a branch
+    may take to a first token before the job moves on (``resilience``);
+    ``retry_after_s``: the Retry-After of its 503s (``routing``); ``finished(run,
+    tokens)``: told when a run's first choice finished (``Run``'s ``on_finished``)."""
+
+    def __init__(
+        self,
+        routes: RouteTableRef,
+        breakers: Breakers,
+        budget: RetryBudget,
+        limits: Limits,
+        *,
+        first_token_timeout_s: float,
+        retry_after_s: float,
+        finished: Callable[[Run, list[int]], None] | None = None,
+    ):
+        self._routes = routes
+        self._breakers = breakers
+        self._budget = budget
+        self._limits = limits
+        self._first_token_timeout_s = first_token_timeout_s
+        self._retry_after_s = retry_after_s
+        self._finished = finished
 
     def abandon(self, job: Job, tokens: int = 0) -> None:
         """The job is over: give back its admission ticket and count its tokens."""
         if job.ticket is not None:
             job.ticket.release()
-        self._gateway.limits.finished(job.tenant, tokens)
+        self._limits.finished(job.tenant, tokens)
 
     async def start(self, job: Job) -> Run:
         """Open every choice on the first branch that takes them all.
@@ -60,8 +82,7 @@ class Runner:
         the decision's next branch, within the retry budget. A branch whose breaker
         is open is passed over (that is not its failure). Afterwards an error ends the
         stream (an error event, no ``[DONE]``)."""
-        gateway = self._gateway
-        budget = gateway.retry_budget
+        budget, breakers, routes = self._budget, self._breakers, self._routes
         budget.start()
         retries = 0
         last: EngineError | None = None
@@ -69,12 +90,12 @@ class Runner:
         retired = False  # a branch that failed was one a reload had replaced
         try:
             for routed in job.branches:
-                branch = _successor(gateway, routed, pinned=job.decision.pinned)
-                if not gateway.breakers.acquire(branch.id):
+                branch = _successor(routes.current, routed, pinned=job.decision.pinned)
+                if not breakers.acquire(branch.id):
                     job.trace.skipped(branch, "breaker_open")
                     continue  # open: its own rejection, never counted as a failure
                 if tried and not budget.try_retry():
-                    gateway.breakers.release(branch.id)
+                    breakers.release(branch.id)
                     job.trace.skipped(branch, "retry_budget")
                     log.warning("job %s: retry budget spent; not trying %s", job.id, branch.id)
                     break
@@ -84,19 +105,20 @@ class Runner:
                     job.trace.attempt(branch)
                     run = await self._open(job, branch, retries)
                 except ContextLengthExceededError as exc:
-                    gateway.breakers.release(branch.id)  # the request's fault, not the branch's
+                    breakers.release(branch.id)  # the request's fault, not the branch's
                     exc.param = "messages" if job.kind == "chat" else "prompt"
                     raise
                 except EngineError as exc:
-                    if isinstance(exc, DeviceOutOfMemoryError) or not gateway.serves(branch):
+                    current = serves(routes.current, branch)
+                    if isinstance(exc, DeviceOutOfMemoryError) or not current:
                         # the device's state, not the branch's fault: residency and the memory
                         # filter deal with it, and a breaker would keep the one branch that
                         # still fits shut for its open time after memory is back. Or a worker
                         # a reload replaced: its end is not its successor's failure
-                        gateway.breakers.release(branch.id)
-                        retired = retired or not gateway.serves(branch)
+                        breakers.release(branch.id)
+                        retired = retired or not current
                     else:
-                        gateway.breakers.failure(branch.id)
+                        breakers.failure(branch.id)
                     job.trace.attempt_failed(branch, exc)
                     last = exc
                     log.warning(
@@ -107,7 +129,7 @@ class Runner:
                     )
                     continue
                 except BaseException:
-                    gateway.breakers.release(branch.id)
+                    breakers.release(branch.id)
                     raise
                 return run
         except BaseException:
@@ -120,13 +142,13 @@ class Runner:
             raise last
         raise ServiceUnavailableError(
             f"every branch of {job.decision.model} failed or is shedding load; retry later",
-            retry_after_s=self._settings.routing.retry_after_s,
+            retry_after_s=self._retry_after_s,
         )
 
     async def _open(self, job: Job, branch: Branch, retries: int) -> Run:
         """Every choice of ``job`` on ``branch``, up to its first token; raises an
         ``EngineError`` (after closing what it opened) if the branch fails before."""
-        timeout_s = self._settings.resilience.first_token_timeout_s
+        timeout_s = self._first_token_timeout_s
         by_deadline = job.deadline is not None and job.deadline - time.monotonic() < timeout_s
         if job.deadline is not None:
             timeout_s = min(timeout_s, max(0.0, job.deadline - time.monotonic()))
@@ -152,7 +174,7 @@ class Runner:
             if by_deadline:  # the client's deadline, not the branch's failure: no fallback
                 raise ServiceUnavailableError(
                     "the request's deadline passed before its first token",
-                    retry_after_s=self._settings.routing.retry_after_s,
+                    retry_after_s=self._retry_after_s,
                 ) from exc
             raise EngineError(
                 f"branch {branch.id} sent no first token in {timeout_s:.3g} s"
@@ -165,24 +187,24 @@ class Runner:
             raise
 
         def done(run: Run, ok: bool | None) -> None:
-            self._gateway.retry_budget.finish(retries)
+            self._budget.finish(retries)
             self.abandon(job, run.usage_tokens)
             job.trace.done(ok)
-            if not self._gateway.serves(branch):
+            if not serves(self._routes.current, branch):
                 return  # a replaced worker's verdict is not its successor's (a fresh breaker)
             if ok is True:
-                self._gateway.breakers.success(branch.id)
+                self._breakers.success(branch.id)
             elif ok is False:
-                self._gateway.breakers.failure(branch.id)
+                self._breakers.failure(branch.id)
             else:
-                self._gateway.breakers.release(branch.id)
+                self._breakers.release(branch.id)
 
         return Run(
             job,
             branch,
             streams,
             prompt_tokens,
-            self._gateway.finished,
+            self._finished,
             cached_tokens=cached_tokens,
             pending=pending,
             on_done=done,
@@ -190,7 +212,15 @@ class Runner:
         )
 
 
-def _successor(gateway: Gateway, branch: Branch, *, pinned: bool) -> Branch:
+def serves(table: RouteTable, branch: Branch) -> bool:
+    """Whether ``branch``'s worker is the one ``table`` serves its id with (a reload may
+    have replaced it; the replaced one drains)."""
+    route = table.models.get(branch.model)
+    now = route.branch(branch.name) if route is not None else None
+    return now is not None and now.engine is branch.engine
+
+
+def _successor(table: RouteTable, branch: Branch, *, pinned: bool) -> Branch:
     """The branch the table serves ``branch``'s id with now, where that keeps what the
     job was routed for: a job routed before a reload runs on the new worker. ``branch``
     itself when the table no longer has the id, or when the id now names a file that is
@@ -198,7 +228,7 @@ def _successor(gateway: Gateway, branch: Branch, *, pinned: bool) -> Branch:
     checked against the old file's profile, so it runs on the old worker while that
     drains, or fails over to the decision's next branch. A pinned job (the client named
     the branch) takes whatever the id names now."""
-    route = gateway.routes.current.models.get(branch.model)
+    route = table.models.get(branch.model)
     now = route.branch(branch.name) if route is not None else None
     if now is None or now is branch:
         return branch

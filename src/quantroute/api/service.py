@@ -6,7 +6,8 @@ the routing decision); ``start`` runs it on the first branch that accepts
 it, falling back to the next branch of the decision when one fails before
 its first token; the returned :class:`Run` yields ``(choice index, event)``.
 ``explain``, ``models``, ``devices``, ``readiness`` and ``metrics`` report;
-``set_pressure`` and ``restart`` act (admin).
+``set_pressure``, ``restart``, ``drain`` and ``undrain`` act (admin: ``api/operator.py``).
+The composition root hands it the parts it uses (``api/gateway.py``).
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from quantroute import __version__
 from quantroute.api import views
+from quantroute.api.explain import explain_json, pinned_json
 from quantroute.api.grammars import Grammars
 from quantroute.api.jobs import Job, build_job
+from quantroute.api.operator import Operator
 from quantroute.api.run import Run
 from quantroute.api.runner import Runner
 from quantroute.api.schemas import (
@@ -31,16 +34,12 @@ from quantroute.api.schemas import (
     check_vocabulary,
 )
 from quantroute.api.tools import template_messages
-from quantroute.errors import (
-    InvalidRequestError,
-    NotFoundError,
-    QuantrouteError,
-    RateLimitError,
-    ServiceUnavailableError,
-)
-from quantroute.observability import RequestTrace
-from quantroute.resilience.tenants import OPEN, Tenant
-from quantroute.routing.policy import Decision, Explanation, choose, explain, pinned
+from quantroute.config import LimitSettings, RoutingSettings
+from quantroute.errors import RateLimitError, ServiceUnavailableError
+from quantroute.observability import Observer, RequestTrace
+from quantroute.resilience import Admission
+from quantroute.resilience.tenants import OPEN, Limits, Tenant
+from quantroute.routing.policy import Decision, choose, pinned
 from quantroute.routing.records import RequestShape
 from quantroute.routing.requirement import (
     DEADLINE_HEADER,
@@ -48,17 +47,17 @@ from quantroute.routing.requirement import (
     Requirement,
     parse_requirement,
 )
-from quantroute.routing.table import Branch, ModelRoute, lookup
+from quantroute.routing.states import BranchStates
+from quantroute.routing.table import Branch, ModelRoute, RouteTableRef, lookup
 from quantroute.routing.versions import Audience
 from quantroute.shaping.chat_template import render_chat_bounded
 
 if TYPE_CHECKING:
-    from quantroute.api.gateway import Gateway
+    from quantroute.api.reload import ReloadReport
 
 log = logging.getLogger(__name__)
 
 Request = ChatCompletionRequest | CompletionRequest
-_SEED_MASK = 2**64 - 1
 _AFFINITY_PREFIX_CHARS = 256
 _WAIT_POLL_S = 0.05
 
@@ -66,11 +65,35 @@ _WAIT_POLL_S = 0.05
 class Service:
     """What the routes may ask of the gateway; it never hands out the gateway's parts."""
 
-    def __init__(self, gateway: Gateway):
-        self._gateway = gateway
-        self._settings = gateway.settings
-        self._runner = Runner(gateway)
-        self._grammars = Grammars(self._settings.limits.compile_timeout_s)
+    def __init__(
+        self,
+        routes: RouteTableRef,
+        states: BranchStates,
+        routable: Callable[[Branch], bool],
+        admission: Admission,
+        tenant_limits: Limits,
+        observer: Observer,
+        runner: Runner,
+        views: views.ViewSources,
+        reload: Callable[[str], Awaitable[ReloadReport]],
+        *,
+        routing: RoutingSettings,
+        limits: LimitSettings,
+        operator: Operator,
+    ):
+        self._routes = routes
+        self._states = states
+        self._routable = routable  # residency's: whether a branch takes routed traffic
+        self._admission = admission
+        self._tenant_limits = tenant_limits
+        self._observer = observer
+        self._runner = runner
+        self._views = views
+        self._reload = reload
+        self._routing = routing
+        self._limits = limits
+        self._operator = operator  # the admin actions: pressure, restarts, drains
+        self._grammars = Grammars(limits.compile_timeout_s)
         self._build: asyncio.Future[dict[str, str]] | None = None  # GET /version's llama.cpp
 
     # -- routing ----------------------------------------------------------------
@@ -85,13 +108,15 @@ class Service:
         """Which branches answer ``req``, in order. A versioned model's version is
         ``who``'s (``routing.versions``); a pinned branch answers alone; a model name
         goes through the routing policy (requirement, filters, score)."""
-        route, branch = lookup(self._gateway.routes.current, req.model, who)
+        route, branch = lookup(self._routes.current, req.model, who)
         if branch is not None:
-            ready = self._gateway.residency.routable(branch)
-            retry_s = self._settings.routing.retry_after_s
+            ready = self._routable(branch)
+            if not ready:  # drained by an operator: a 503 that says so
+                self._operator.refuse_drained(branch)
+            retry_s = self._routing.retry_after_s
             return pinned(route.name, branch.id, ready=ready, retry_after_s=retry_s), route
-        states = self._gateway.states.read(route.name)
-        return choose(route.name, requirement, shape, states, self._settings.routing), route
+        states = self._states.read(route.name)
+        return choose(route.name, requirement, shape, states, self._routing), route
 
     def _routing_inputs(
         self, req: Request, headers: Mapping[str, str]
@@ -101,7 +126,7 @@ class Service:
             headers.get(QUALITY_HEADER),
             headers.get(DEADLINE_HEADER),
             req.timeout,
-            self._settings.routing,
+            self._routing,
         )
         text = _prompt_text(req)
         limit = req.limit
@@ -109,7 +134,7 @@ class Service:
         shape = RequestShape(
             # an upper bound: a token is at least one byte of text
             prompt_tokens=max(map(len, ids)) if ids else len(text.encode()) + 1,
-            max_tokens=limit or self._settings.limits.max_tokens,
+            max_tokens=limit or self._limits.max_tokens,
             prefix=text[:_AFFINITY_PREFIX_CHARS],
         )
         return requirement, shape
@@ -118,44 +143,14 @@ class Service:
         self, req: Request, headers: Mapping[str, str], tenant: Tenant = OPEN
     ) -> dict[str, Any]:
         """The decision for ``req`` without running it: per branch, each filter and the score."""
-        check_limits(req, self._settings.limits)
+        check_limits(req, self._limits)
         who = Audience.of(req.user, headers)
-        route, branch = lookup(self._gateway.routes.current, req.model, who, _limited(tenant))
+        route, branch = lookup(self._routes.current, req.model, who, _limited(tenant))
         requirement, shape = self._routing_inputs(req, headers)  # a bad header is a 400 here too
-        body: dict[str, Any] = {"model": route.name}
         if branch is not None:
-            ready = self._gateway.residency.routable(branch)
-            body["decision"] = {
-                "branches": [branch.id] if ready else [],
-                "reason": "pinned" if ready else "pinned:not-ready",
-                "wait_s": None,
-            }
-            body["branches"] = []
-            return body
-        states = self._gateway.states.read(route.name)
-        fields = ("tier", "max_kld", "min_top1", "deadline_ms", "explicit")
-        body["requirement"] = {f: getattr(requirement, f) for f in fields}
-        body["request"] = {"prompt_tokens_max": shape.prompt_tokens, "max_tokens": shape.max_tokens}
-        settings = self._settings.routing
-        explained: tuple[Explanation, ...] = ()  # the decision's own: with each place in it
-        try:
-            decision = choose(route.name, requirement, shape, states, settings)
-            body["decision"] = {
-                "branches": list(decision.branch_ids),
-                "reason": decision.reason,
-                "wait_s": decision.wait_s,
-            }
-            explained = decision.explanations
-        except QuantrouteError as exc:
-            body["decision"] = {
-                "branches": [],
-                "reason": "infeasible",
-                "error": exc.to_openai()["error"],
-            }
-        if not explained:  # nothing chosen (a wait, a 503): the filters and scores alone
-            explained = explain(requirement, shape, states, settings)
-        body["branches"] = [e.to_dict() for e in explained]
-        return body
+            return pinned_json(route.name, branch, ready=self._routable(branch))
+        states = self._states.read(route.name)
+        return explain_json(route.name, requirement, shape, states, self._routing)
 
     async def decide(
         self,
@@ -166,13 +161,14 @@ class Service:
     ) -> tuple[Decision, tuple[Branch, ...]]:
         """``route``, waiting where the tier says to wait (``exact``: for the reference)."""
         decision, route = self.route(req, requirement, shape, who)
-        if decision.wait_s is not None:
+        if decision.wait_s is not None:  # for the reference: none if an operator drained it
+            self._operator.refuse_drained(route.branch(route.reference))
             wait_until = time.monotonic() + decision.wait_s
             while not decision.branch_ids:
                 if time.monotonic() >= wait_until:
                     raise ServiceUnavailableError(
                         f"no branch of {decision.model} met the request's quality bound in time",
-                        retry_after_s=self._settings.routing.retry_after_s,
+                        retry_after_s=self._routing.retry_after_s,
                     )
                 await asyncio.sleep(_WAIT_POLL_S)
                 decision, route = self.route(req, requirement, shape, who)
@@ -190,33 +186,32 @@ class Service:
         build its engine requests. The job holds its admission ticket from here on:
         ``start`` (or, if it is never started, :meth:`abandon`) gives it back."""
         headers = headers or {}
-        trace = self._gateway.observer.begin(req, headers, tenant.name)
+        trace = self._observer.begin(req, headers, tenant.name)
         with trace.failing():
             return await self._prepare(req, headers, tenant, trace)
 
     async def _prepare(
         self, req: Request, headers: Mapping[str, str], tenant: Tenant, trace: RequestTrace
     ) -> Job:
-        check_limits(req, self._settings.limits)  # cheap checks first, then the tenant's limits
-        gateway = self._gateway
+        check_limits(req, self._limits)  # cheap checks first, then the tenant's limits
+        tenant_limits = self._tenant_limits
         who = Audience.of(req.user, headers)
-        route, _ = lookup(gateway.routes.current, req.model, who, _limited(tenant))
-        over = gateway.limits.check(tenant)
+        route, _ = lookup(self._routes.current, req.model, who, _limited(tenant))
+        over, stamp = await tenant_limits.admit(tenant)  # checked and counted in one step
         if over is not None:
             limit, retry_s = over
             raise RateLimitError(
                 f"this key is over its {limit.replace('_', ' ')} limit", retry_after_s=retry_s
             )
-        stamp = gateway.limits.started(tenant)  # counted now: no wait since the check
         try:  # what the client chose to cost: after the limits, off the loop, bounded
             grammar = await self._grammars.of(req)
         except BaseException:
-            gateway.limits.finished(tenant, 0)  # it ran: it counts in the tenant's minute
+            tenant_limits.finished(tenant, 0)  # it ran: it counts in the tenant's minute
             raise
         try:
             return await self._admit(req, headers, tenant, route.name, trace, who, grammar)
         except BaseException:
-            gateway.limits.withdrawn(tenant, stamp)
+            tenant_limits.withdrawn(tenant, stamp)
             raise
 
     async def _admit(
@@ -230,15 +225,14 @@ class Service:
         grammar: str | None,
     ) -> Job:
         """The model's admission queue, routing and the engine requests of ``prepare``."""
-        gateway = self._gateway
         # parsed here, for pinned requests too: a malformed header is a 400 either way, and
         # the deadline bounds the queue, the first token and the generation
         requirement, shape = self._routing_inputs(req, headers)
         ms = requirement.deadline_ms
         deadline = None if ms is None else time.monotonic() + ms / 1000.0
-        ticket = await gateway.admission.enter(
+        ticket = await self._admission.enter(
             model,
-            capacity=gateway.capacity(model),
+            capacity=self._capacity(model),
             priority=tenant.priority_for(req.priority),  # capped at its max_priority
             tenant=tenant.name,
             deadline=deadline,
@@ -253,7 +247,7 @@ class Service:
             trace.routed(decision)
             prompt = None
             if isinstance(req, ChatCompletionRequest):
-                limits = self._settings.limits
+                limits = self._limits
                 template = info.chat_template if info else None
                 messages, tools = template_messages(
                     [m.for_template() for m in req.messages], req.active_tools, template=template
@@ -274,7 +268,7 @@ class Service:
                 decision,
                 branches,
                 prompt,
-                max_tokens=self._settings.limits.max_tokens,
+                max_tokens=self._limits.max_tokens,
                 deadline=deadline,
                 grammar=grammar,
                 tenant=tenant,
@@ -286,6 +280,15 @@ class Service:
             ticket.release()
             raise
         return job
+
+    def _capacity(self, model: str) -> int:
+        """Requests of ``model`` that may run at once: its routable branches' slots."""
+        route = self._routes.current.models.get(model)
+        slots = 0
+        for b in route.branches if route else ():
+            if self._routable(b) and b.engine.info is not None:
+                slots += b.engine.info.parallel
+        return self._admission.capacity(slots)
 
     def abandon(self, job: Job, tokens: int = 0) -> None:
         """The job is over: give back its admission ticket and count its tokens."""
@@ -301,23 +304,23 @@ class Service:
 
     def models(self, tenant: Tenant = OPEN) -> dict[str, Any]:
         """The body of ``GET /v1/models``: the models ``tenant`` may use."""
-        return views.models_json(self._gateway, tenant)
+        return views.models_json(self._views, tenant)
 
     def model(self, model_id: str, tenant: Tenant = OPEN) -> dict[str, Any]:
         """The body of ``GET /v1/models/{id}``: a model, or a pinned branch (``model:branch``)."""
-        return views.model_json(self._gateway, model_id, tenant)
+        return views.model_json(self._views, model_id, tenant)
 
     def devices(self) -> dict[str, Any]:
         """The body of ``GET /v1/devices``."""
-        return views.devices_json(self._gateway)
+        return views.devices_json(self._views)
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """``GET /readyz``: ready when every model has a branch that takes traffic."""
-        return views.readiness_json(self._gateway)
+        return views.readiness_json(self._views)
 
     def metrics(self) -> bytes:
         """Prometheus text exposition: requests, routing, branches, devices."""
-        return views.metrics_text(self._gateway)
+        return views.metrics_text(self._views)
 
     async def version(self) -> dict[str, Any]:
         """The body of ``GET /version``: quantroute's version and the llama.cpp build its
@@ -329,43 +332,37 @@ class Service:
     def dashboard(self, everyone: bool = True) -> dict[str, Any]:
         """``GET /dashboard/data``: what the router did lately, for the status page; the
         list of last requests (ids, models, tokens of every tenant) only for ``everyone``."""
-        data = self._gateway.observer.recent_json()
+        data = self._observer.recent_json()
         if not everyone:
             data["recent"] = []
         return data
 
     def status(self) -> dict[str, Any]:
         """``GET /admin/status``: branch states, circuit breakers, the retry budget."""
-        return views.status_json(self._gateway)
+        return views.status_json(self._views)
 
     async def reload(self) -> dict[str, Any]:
         """``POST /admin/reload``: validate, verify, start, swap, drain (``api.reload``)."""
-        report = await self._gateway.reloader.reload("admin")
+        report = await self._reload("admin")
         return report.to_json()
 
     def set_pressure(self, device_id: str, nbytes: int) -> None:
         """Simulated devices only: occupy ``nbytes`` of a device, as another tenant would."""
-        sim = self._gateway.occupancy.sim
-        if sim is None:
-            raise InvalidRequestError("pressure can only be set on simulated devices")
-        if device_id not in sim.device_ids:
-            raise NotFoundError("No such simulated device.", param="device_id", code="not_found")
-        sim.set_pressure(device_id, nbytes)
+        self._operator.set_pressure(device_id, nbytes)
 
     async def restart(self, branch_ref: str) -> dict[str, Any]:
         """Restart a branch (``model:branch``), clearing its failure; the answer says how it
         came back."""
-        _, branch = lookup(self._gateway.routes.current, branch_ref)
-        if branch is None:
-            raise InvalidRequestError(
-                "name a branch (model:branch), not a model", param="branch_id"
-            )
-        await self._gateway.restart(branch)
-        return {
-            "branch": branch.id,
-            "ready": branch.engine.ready,
-            "failure": branch.engine.failure,
-        }
+        return await self._operator.restart(branch_ref)
+
+    async def drain(self, branch_ref: str) -> dict[str, Any]:
+        """``POST /admin/branches/{id}/drain``: no new requests for the branch, on every
+        gateway of the fleet (``cluster/``); those in flight finish."""
+        return await self._operator.drain(branch_ref)
+
+    async def undrain(self, branch_ref: str) -> dict[str, Any]:
+        """``POST /admin/branches/{id}/undrain``: the branch takes requests again."""
+        return await self._operator.undrain(branch_ref)
 
 
 def _limited(tenant: Tenant) -> Callable[[str], bool] | None:

@@ -1,53 +1,94 @@
-"""Read-only views of the gateway: the bodies of ``GET /v1/models``, ``/v1/devices`` and
-``/readyz``, and the Prometheus metrics. The service calls these; routes never do."""
+"""Read-only views of the gateway: the bodies of ``GET /v1/models``, ``/v1/devices``,
+``/readyz`` and ``/admin/status``, and the Prometheus metrics. The service calls these;
+routes never do. Each reads the parts a :class:`ViewSources` names (the composition
+root builds it)."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from quantroute.api.profiles import profile_json, profile_state
+from quantroute.cluster import ClusterState
 from quantroute.engines.base import PromptCacheStats
 from quantroute.engines.llamacpp.build import probe_build
 from quantroute.errors import EngineError, NotFoundError
-from quantroute.observability.metrics import BranchSample, DeviceSample, ModelSample
-from quantroute.quality.profile import BranchProfile
-from quantroute.resilience import OPEN, BreakerState, Tenant
-from quantroute.routing.table import Branch
-from quantroute.telemetry import snapshot_to_json
+from quantroute.observability import Observer
+from quantroute.observability.metrics import (
+    BranchSample,
+    DeviceSample,
+    ModelSample,
+    remote_sample,
+)
+from quantroute.quality.drift import DriftMonitor
+from quantroute.resilience import OPEN, Admission, Breakers, BreakerState, RetryBudget, Tenant
+from quantroute.routing.residency import Residency
+from quantroute.routing.speeds import ObservedSpeeds
+from quantroute.routing.table import Branch, RouteTableRef
+from quantroute.telemetry import (
+    DevicePoller,
+    HealthTracker,
+    MarginPolicy,
+    Occupancy,
+    snapshot_to_json,
+)
 
-if TYPE_CHECKING:
-    from quantroute.api.gateway import Gateway
+
+@dataclass(frozen=True, slots=True)
+class ViewSources:
+    """What the views read: the gateway's parts, read when a view is asked for."""
+
+    routes: RouteTableRef
+    occupancy: Occupancy
+    residency: Residency
+    speeds: ObservedSpeeds  # each branch's observed speed
+    drift: Callable[[], DriftMonitor]  # the one serving now: a reload replaces it
+    breakers: Breakers
+    retry_budget: RetryBudget
+    admission: Admission
+    poller: DevicePoller
+    health: HealthTracker
+    margin: MarginPolicy
+    observer: Observer  # renders the metrics
+    superseded: Mapping[str, str]  # branch id -> why its worker stays down
+    answered: Mapping[str, int]  # model@version -> requests it answered
+    repository: Callable[[], dict[str, Any]]  # the reloader's part of /admin/status
+    cluster: ClusterState  # drains, traffic rules, tenants: the fleet's (its status, metrics)
+    redis: Callable[[], dict[str, Any] | None]  # the fleet's Redis, as /admin/status shows it
 
 
-def branch_state(gateway: Gateway, branch: Branch) -> tuple[str, str | None]:
-    """``(state, why)``: ``ready``, ``starting``, ``draining``, ``unloaded`` or ``failed``
-    (with the cause in words)."""
-    placement = gateway.occupancy.get(branch.id)
+def branch_state(parts: ViewSources, branch: Branch) -> tuple[str, str | None]:
+    """``(state, why)``: ``ready``, ``starting``, ``draining``, ``drained`` (by an operator),
+    ``unloaded`` or ``failed`` (with the cause in words)."""
+    placement = parts.occupancy.get(branch.id)
     if placement is not None and placement.problem:
         return "failed", placement.problem
     if branch.engine.failure:
         return "failed", branch.engine.failure
-    if not branch.engine.ready and branch.id in gateway.superseded:
-        return "failed", gateway.superseded[branch.id]
-    if gateway.residency.draining(branch.id):
+    if not branch.engine.ready and branch.id in parts.superseded:
+        return "failed", parts.superseded[branch.id]
+    if parts.residency.draining(branch.id):
         return "draining", None
-    if gateway.residency.routable(branch):
+    if parts.residency.drained(branch.id):
+        return "drained", None
+    if parts.residency.routable(branch):
         return "ready", None
-    if branch.engine.model_path is not None and not gateway.residency.loaded(branch.id):
+    if branch.engine.model_path is not None and not parts.residency.loaded(branch.id):
         return "unloaded", None
     return "starting", None
 
 
-def models_json(gateway: Gateway, tenant: Tenant = OPEN) -> dict[str, Any]:
+def models_json(parts: ViewSources, tenant: Tenant = OPEN) -> dict[str, Any]:
     data: list[dict[str, Any]] = []
-    for route in gateway.routes.current.models.values():
+    for route in parts.routes.current.models.values():
         if not tenant.may_use(route.model):
             continue
         branches = []
         for b in route.branches:
-            state, why = branch_state(gateway, b)
+            state, why = branch_state(parts, b)
             branches.append(
                 {
                     "id": b.id,
@@ -63,12 +104,10 @@ def models_json(gateway: Gateway, tenant: Tenant = OPEN) -> dict[str, Any]:
                     "n_ctx": b.engine.info.n_ctx if b.engine.info else None,
                     "in_flight": b.engine.in_flight,
                     "prompt_cache": _prompt_cache_json(b.engine.prompt_cache),
-                    "profile": _profile_json(b.profile),
-                    "profile_state": "stale"
-                    if b.name in route.stale
-                    else ("measured" if b.profile else "unprofiled"),
-                    "drift": _drift_json(gateway, b.id),
-                    "observed_speed": gateway.states.speeds.to_json(b.id),
+                    "profile": profile_json(b.profile),
+                    "profile_state": profile_state(b.profile, b.name in route.stale),
+                    "drift": _drift_json(parts, b.id),
+                    "observed_speed": parts.speeds.to_json(b.id),
                 }
             )
         data.append(
@@ -93,7 +132,7 @@ def models_json(gateway: Gateway, tenant: Tenant = OPEN) -> dict[str, Any]:
             }
             for b in branches
         ]
-    for split in gateway.routes.current.splits.values():
+    for split in parts.routes.current.splits.values():
         if tenant.may_use(split.model):
             data.append(
                 {
@@ -123,22 +162,22 @@ def _prompt_cache_json(stats: PromptCacheStats | None) -> dict[str, Any] | None:
     }
 
 
-def model_json(gateway: Gateway, model_id: str, tenant: Tenant = OPEN) -> dict[str, Any]:
+def model_json(parts: ViewSources, model_id: str, tenant: Tenant = OPEN) -> dict[str, Any]:
     """The body of ``GET /v1/models/{id}``: one entry of :func:`models_json` (a model or a
     pinned branch id); 404 for an unknown one, or one ``tenant`` may not use."""
-    for entry in models_json(gateway, tenant)["data"]:
+    for entry in models_json(parts, tenant)["data"]:
         if entry["id"] == model_id:
             return dict(entry)
     raise NotFoundError("The requested model does not exist.", param="model")
 
 
-def readiness_json(gateway: Gateway) -> tuple[bool, dict[str, Any]]:
+def readiness_json(parts: ViewSources) -> tuple[bool, dict[str, Any]]:
     ready: dict[str, list[str]] = {}
     failed: dict[str, dict[str, str]] = {}
-    for name, route in gateway.routes.current.models.items():
+    for name, route in parts.routes.current.models.items():
         ready[name] = []
         for b in route.branches:
-            state, why = branch_state(gateway, b)
+            state, why = branch_state(parts, b)
             if state == "ready":
                 ready[name].append(b.name)
             elif state == "failed":
@@ -149,12 +188,12 @@ def readiness_json(gateway: Gateway) -> tuple[bool, dict[str, Any]]:
     return ok, body
 
 
-def status_json(gateway: Gateway) -> dict[str, Any]:
+def status_json(parts: ViewSources) -> dict[str, Any]:
     now = time.monotonic()
     branches = {}
-    for b in gateway.routes.current.branches():
-        state, why = branch_state(gateway, b)
-        breaker = gateway.breakers.get(b.id)
+    for b in parts.routes.current.branches():
+        state, why = branch_state(parts, b)
+        breaker = parts.breakers.get(b.id)
         breaker_state = breaker.state(now)
         branches[b.id] = {
             "state": state,
@@ -169,7 +208,7 @@ def status_json(gateway: Gateway) -> dict[str, Any]:
                 else 0.0,
             },
         }
-    budget = gateway.retry_budget
+    budget = parts.retry_budget
     return {
         "branches": branches,
         "retry_budget": {
@@ -178,13 +217,15 @@ def status_json(gateway: Gateway) -> dict[str, Any]:
             "limit": budget.limit,
             "refused": budget.refused,
         },
-        "repository": gateway.reloader.status(),
-        "versions_answered": dict(gateway.answered),
+        "repository": parts.repository(),
+        "versions_answered": dict(parts.answered),
+        "cluster": parts.cluster.status_json(),
+        "redis": parts.redis(),
     }
 
 
-def _drift_json(gateway: Gateway, branch_id: str) -> dict[str, Any] | None:
-    state = gateway.drift.state(branch_id)
+def _drift_json(parts: ViewSources, branch_id: str) -> dict[str, Any] | None:
+    state = parts.drift().state(branch_id)
     last = state.last
     return {
         "degraded": state.degraded,
@@ -202,31 +243,10 @@ def _drift_json(gateway: Gateway, branch_id: str) -> dict[str, Any] | None:
     }
 
 
-def _profile_json(profile: BranchProfile | None) -> dict[str, Any] | None:
-    if profile is None:
-        return None
-    q = profile.quality
-    return {
-        "mean_kld": q.mean_kld,
-        "kld_stderr": q.kld_stderr,
-        "kld_p99": q.kld_p99,
-        "top1": q.top1,
-        "top1_sigma": q.top1_sigma,
-        "ppl": q.ppl_q,
-        "ln_ppl_ratio": q.ln_ppl_ratio,
-        "rms_dp": q.rms_dp,
-        "n_tokens": q.n_tokens,
-        "decode_tps": profile.decode_tps,
-        "prefill_tps": profile.prefill_tps,
-        "rss_bytes": profile.rss_bytes,
-        "measured_at": profile.measured_at.isoformat(),
-    }
-
-
-def devices_json(gateway: Gateway) -> dict[str, Any]:
+def devices_json(parts: ViewSources) -> dict[str, Any]:
     """The latest snapshot, and each branch's placement and footprint."""
-    snapshot = gateway.poller.snapshot
-    occupancy = gateway.occupancy
+    snapshot = parts.poller.snapshot
+    occupancy = parts.occupancy
     on_device: dict[str, list[str]] = {}
     for branch_id, placement in occupancy.placements.items():
         if placement.device is not None:
@@ -234,10 +254,10 @@ def devices_json(gateway: Gateway) -> dict[str, Any]:
     body = snapshot_to_json(
         snapshot,
         on_device,
-        health=gateway.health.factors(snapshot.device_ids),
-        margin=gateway.margin,
+        health=parts.health.factors(snapshot.device_ids),
+        margin=parts.margin,
     )
-    states = {b.id: branch_state(gateway, b) for b in gateway.routes.current.branches()}
+    states = {b.id: branch_state(parts, b) for b in parts.routes.current.branches()}
     body["branches"] = {
         branch_id: {
             "device": p.device,
@@ -258,57 +278,82 @@ def devices_json(gateway: Gateway) -> dict[str, Any]:
         }
         for branch_id, p in occupancy.placements.items()
     }
+    body["data"].extend(_remote_devices(parts, on_device))
     return body
+
+
+def _remote_devices(parts: ViewSources, on_device: dict[str, list[str]]) -> list[dict[str, Any]]:
+    """One entry per remote server (kind ``remote``): its health and load as its
+    branch's engine last probed them."""
+    out: dict[str, dict[str, Any]] = {}
+    for b in parts.routes.current.branches():
+        device = b.artifact.device
+        health = getattr(b.engine, "health", None)
+        if device is None or not device.startswith("remote:") or health is None:
+            continue
+        h = health()
+        entry = out.setdefault(
+            device,
+            {"id": device, "kind": "remote", "url": h["url"], "server": h["server"]},
+        )
+        entry["healthy"] = entry.get("healthy", True) and h["healthy"]
+        for key in ("down_since_s", "reason", "running", "waiting", "kv_usage"):
+            entry[key] = h[key] if entry.get(key) is None else entry[key]
+        entry["in_flight"] = entry.get("in_flight", 0) + h["in_flight"]
+        entry["branches"] = on_device.get(device, [])
+    return list(out.values())
 
 
 @dataclass(frozen=True, slots=True)
 class MetricsView:
     """The gateway as :class:`quantroute.observability.GatewayView` reads it."""
 
-    gateway: Gateway
+    parts: ViewSources
 
     def branch_samples(self) -> list[BranchSample]:
-        gateway = self.gateway
+        parts = self.parts
         samples, now = [], time.monotonic()
-        for b in gateway.routes.current.branches():
-            placement = gateway.occupancy.get(b.id)
-            state = gateway.drift.state(b.id)
+        drift = parts.drift()
+        for b in parts.routes.current.branches():
+            placement = parts.occupancy.get(b.id)
+            state = drift.state(b.id)
             last = state.last
             samples.append(
                 BranchSample(
                     model=b.model,
                     branch=b.name,
                     precision=b.precision.value,
-                    ready=gateway.residency.routable(b),
-                    failed=branch_state(gateway, b)[0] == "failed",
-                    breaker_open=gateway.breakers.is_open(b.id),
+                    ready=parts.residency.routable(b),
+                    failed=branch_state(parts, b)[0] == "failed",
+                    breaker_open=parts.breakers.is_open(b.id),
                     in_flight=b.engine.in_flight,
                     device=(placement.device or "") if placement else "",
                     footprint_bytes=(
-                        gateway.occupancy.device_bytes(placement.footprint) if placement else 0
+                        parts.occupancy.device_bytes(placement.footprint) if placement else 0
                     ),
                     degraded=state.degraded,
                     window_kld=last.mean_kld if last else None,
                     window_top1=last.top1 if last else None,
-                    breaker_state=gateway.breakers.get(b.id).state(now).value,
+                    breaker_state=parts.breakers.get(b.id).state(now).value,
                     profile_kld=b.profile.mean_kld if b.profile else None,
                     profile_top1=b.profile.top1 if b.profile else None,
-                    observed=gateway.states.speeds.get(b.id),
+                    observed=parts.speeds.get(b.id),
+                    remote=remote_sample(b.engine),
                 )
             )
         return samples
 
     def device_samples(self) -> tuple[list[DeviceSample], float]:
-        gateway = self.gateway
-        snapshot = gateway.poller.snapshot
+        parts = self.parts
+        snapshot = parts.poller.snapshot
         return [
             DeviceSample(
                 device=d.id,
                 kind=str(d.kind),
                 total_bytes=d.total_bytes,
                 free_bytes=d.free_bytes,
-                free_for_routing_bytes=gateway.margin.headroom(d),
-                health=gateway.health.factor(d.id),
+                free_for_routing_bytes=parts.margin.headroom(d),
+                health=parts.health.factor(d.id),
                 used_bytes=d.used_bytes,
                 utilization=d.utilization,
                 temperature_c=d.temperature_c,
@@ -317,15 +362,15 @@ class MetricsView:
         ], snapshot.age_s()
 
     def model_samples(self) -> list[ModelSample]:
-        admission = self.gateway.admission
+        admission = self.parts.admission
         return [
             ModelSample(name, admission.waiting(name), admission.running(name))
-            for name in self.gateway.routes.current.models
+            for name in self.parts.routes.current.models
         ]
 
 
-def metrics_text(gateway: Gateway) -> bytes:
-    return gateway.observer.render(MetricsView(gateway))
+def metrics_text(parts: ViewSources) -> bytes:
+    return parts.observer.render(MetricsView(parts)) + parts.cluster.metrics_text()
 
 
 def llama_build() -> dict[str, str]:

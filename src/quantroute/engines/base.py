@@ -42,7 +42,12 @@ class FinishReason(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick each next token. ``temperature == 0`` is greedy."""
+    """How to pick each next token. ``temperature == 0`` is greedy.
+
+    A llama.cpp worker gets this dataclass as it is (``engines/llamacpp/wire.py``
+    carries it whole, typed and checked), so a new field is declared here, with a
+    default, and read where it is used; no codec copies fields. Keep each field's type
+    one the wire can check (ints, floats, bools, strings, tuples of them, ``None``)."""
 
     max_tokens: int = 16
     fit_context: bool = False  # max_tokens was not given: stop at the context window instead

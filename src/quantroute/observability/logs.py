@@ -130,3 +130,7 @@ def configure_logging(level: str, fmt: LogFormat, stream: IO[str] | None = None)
         root.removeHandler(old)
     root.addHandler(make_handler(fmt, stream))
     root.setLevel(level.upper())
+    # httpx and httpcore log every request a remote branch and its probes make at info:
+    # the engine says what matters (a server down, up again) itself
+    for chatty in ("httpx", "httpcore"):
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, root.level))

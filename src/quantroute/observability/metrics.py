@@ -25,10 +25,18 @@ metric                                     type   labels
 ``quantroute_branch_drift_window_kld``     gauge  model, branch (mean KLD of the last window)
 ``quantroute_branch_drift_window_top1``    gauge  model, branch
 ``quantroute_branch_footprint_bytes``      gauge  model, branch, device
+``quantroute_branch_remote_up``            gauge  model, branch (a remote branch's server
+                                                  answered its last health probe)
+``quantroute_branch_remote_kv_usage_ratio``  gauge  model, branch (0 to 1: how full the
+                                                  remote server's KV cache is, where it says)
+``quantroute_branch_remote_running_requests``  gauge  model, branch (sequences the remote
+                                                  server runs, every client's)
+``quantroute_branch_remote_waiting_requests``  gauge  model, branch (sequences it queues)
 ``quantroute_device_total_bytes``          gauge  device, kind
 ``quantroute_device_free_bytes``           gauge  device, kind
 ``quantroute_device_free_for_routing_bytes``  gauge  device, kind
 ``quantroute_device_used_bytes``           gauge  device, kind
+``quantroute_device_free_ratio``           gauge  device, kind (free / total, 0 to 1)
 ``quantroute_device_utilization_ratio``    gauge  device, kind (0 to 1, where read)
 ``quantroute_device_temperature_celsius``  gauge  device, kind (where read)
 ``quantroute_device_health``               gauge  device (exp(-λ · recent failures))
@@ -36,13 +44,19 @@ metric                                     type   labels
 ``quantroute_model_running_requests``      gauge  model (admitted, not finished)
 ``quantroute_device_snapshot_age_seconds`` gauge  (one series)
 =========================================  =====  =========================================
+
+The ``remote`` families come from a remote branch's engine (``engine: openai``), read
+through :func:`remote_sample`: its ``health()`` report, as its probe last saw the server.
+A local branch has none of them. They are what scales a remote engine's Deployment
+(deploy/kubernetes: KEDA on ``quantroute_branch_remote_kv_usage_ratio``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -67,6 +81,64 @@ class BranchSample:
     profile_kld: float | None = None
     profile_top1: float | None = None
     observed: ObservedSpeedLike | None = None  # routing's end-to-end speed (routing.speeds)
+    remote: RemoteSample | None = None  # a remote branch's server, as last probed
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteSample:
+    """A remote branch's server as its engine's probe last saw it. The counts and the KV
+    usage are ``None`` where the server does not say (no ``/metrics``, or a llama-server,
+    which stopped exporting its KV cache usage in 2025)."""
+
+    up: bool
+    kv_usage: float | None = None  # 0-1
+    running: int | None = None
+    waiting: int | None = None
+
+
+@runtime_checkable
+class HealthReporting(Protocol):
+    """An engine that reports on the server behind it (``OpenAIEngine.health``): a mapping
+    with at least ``healthy`` (bool), ``kv_usage`` (0-1 or ``None``), ``running`` and
+    ``waiting`` (counts or ``None``). Local engines have no ``health``."""
+
+    def health(self) -> Mapping[str, object]: ...
+
+
+def remote_sample(engine: object) -> RemoteSample | None:
+    """What the metrics show of ``engine``'s server: ``None`` for an engine with no
+    ``health()`` (a local worker, a fake), so that this package names no engine class.
+
+    >>> class Remote:
+    ...     def health(self): return {"healthy": True, "kv_usage": 0.5, "running": 3, "waiting": 0}
+    >>> remote_sample(Remote())
+    RemoteSample(up=True, kv_usage=0.5, running=3, waiting=0)
+    >>> remote_sample(object()) is None
+    True
+    """
+    if not isinstance(engine, HealthReporting):
+        return None
+    report = engine.health()
+    if not isinstance(report, Mapping):  # a report of another shape shows nothing
+        return None
+    return RemoteSample(
+        up=report.get("healthy") is True,
+        kv_usage=_ratio(report.get("kv_usage")),
+        running=_count(report.get("running")),
+        waiting=_count(report.get("waiting")),
+    )
+
+
+def _ratio(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return min(1.0, max(0.0, float(value)))
+
+
+def _count(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
 
 
 class ObservedSpeedLike(Protocol):
@@ -178,8 +250,36 @@ class GatewayCollector(Collector):
             "Output tokens/s after the first as recent requests saw it (routing's estimate).",
             labels=branch_labels,
         )
+        remote_up = GaugeMetricFamily(
+            "quantroute_branch_remote_up",
+            "The remote branch's server answered its last health probe (1) or not (0).",
+            labels=branch_labels,
+        )
+        remote_kv = GaugeMetricFamily(
+            "quantroute_branch_remote_kv_usage_ratio",
+            "How full the remote branch's server's KV cache is, 0 to 1 (its own metrics).",
+            labels=branch_labels,
+        )
+        remote_running = GaugeMetricFamily(
+            "quantroute_branch_remote_running_requests",
+            "Sequences the remote branch's server runs, every client's (its own metrics).",
+            labels=branch_labels,
+        )
+        remote_waiting = GaugeMetricFamily(
+            "quantroute_branch_remote_waiting_requests",
+            "Sequences the remote branch's server queues, every client's (its own metrics).",
+            labels=branch_labels,
+        )
         for b in self._view.branch_samples():
             ids = [b.model, b.branch]
+            if b.remote is not None:
+                remote_up.add_metric(ids, float(b.remote.up))
+                if b.remote.kv_usage is not None:
+                    remote_kv.add_metric(ids, b.remote.kv_usage)
+                if b.remote.running is not None:
+                    remote_running.add_metric(ids, float(b.remote.running))
+                if b.remote.waiting is not None:
+                    remote_waiting.add_metric(ids, float(b.remote.waiting))
             if b.observed is not None:
                 observed_ttft.add_metric(ids, b.observed.ttft_ms / 1000.0)
                 if b.observed.decode_tps is not None:
@@ -202,6 +302,7 @@ class GatewayCollector(Collector):
             footprint.add_metric([*ids, b.device], float(b.footprint_bytes))
         yield from (ready, failed, breaker, in_flight, degraded, kld, top1, footprint)
         yield from (state, profile_kld, profile_top1, observed_ttft, observed_tps)
+        yield from (remote_up, remote_kv, remote_running, remote_waiting)
 
         devices, age = self._view.device_samples()
         labels = ["device", "kind"]
@@ -228,7 +329,15 @@ class GatewayCollector(Collector):
         temperature = GaugeMetricFamily(
             "quantroute_device_temperature_celsius", "Device temperature.", labels=labels
         )
+        free_ratio = GaugeMetricFamily(
+            "quantroute_device_free_ratio",
+            "Free device memory / device memory, 0 to 1.",
+            labels=labels,
+        )
         for d in devices:
+            if d.total_bytes > 0:
+                ratio = min(1.0, max(0.0, d.free_bytes / d.total_bytes))
+                free_ratio.add_metric([d.device, d.kind], ratio)
             used.add_metric([d.device, d.kind], float(d.used_bytes))
             if d.utilization is not None:
                 util.add_metric([d.device, d.kind], d.utilization)
@@ -238,7 +347,7 @@ class GatewayCollector(Collector):
             free.add_metric([d.device, d.kind], float(d.free_bytes))
             routable.add_metric([d.device, d.kind], float(d.free_for_routing_bytes))
             health.add_metric([d.device], d.health)
-        yield from (total, free, routable, health, used, util, temperature)
+        yield from (total, free, routable, health, used, util, temperature, free_ratio)
         queued = GaugeMetricFamily(
             "quantroute_queue_depth",
             "Requests waiting in the model's admission queue.",

@@ -16,6 +16,10 @@ The definitions are llama.cpp's ``llama-perplexity --kl-divergence``
 Every function works on per-token rows, so a drift monitor can score the
 teacher-forced tokens of one live request with the same code.
 
+A remote branch lists only its top-k tokens per position (``top_logprobs``); its
+rows are scored with :meth:`KldAccumulator.add_topk`, whose KLD is
+:func:`~quantroute.divergence.kl_divergence_topk`'s lower bound of the full one.
+
 >>> import numpy as np
 >>> ref = log_softmax(np.array([[2.0, 0.0, -1.0]]))
 >>> float(kl_divergence(ref, ref)[0])
@@ -32,11 +36,17 @@ import numpy.typing as npt
 
 from quantroute.divergence import (
     BLOCK_ELEMENTS,
+    TopK,
     check_pair,
     kl_divergence,
+    kl_divergence_topk,
     log_softmax,
+    tail_mass_topk,
     token_logprob,
+    token_logprob_topk,
     top1_agreement,
+    top1_agreement_topk,
+    top_k,
 )
 
 FloatArray = npt.NDArray[np.floating]
@@ -48,12 +58,18 @@ __all__ = [
     "BLOCK_ELEMENTS",
     "KldAccumulator",
     "QualityStats",
+    "TopK",
     "kl_divergence",
+    "kl_divergence_topk",
     "log_softmax",
     "percentile",
     "summarize",
+    "tail_mass_topk",
     "token_logprob",
+    "token_logprob_topk",
     "top1_agreement",
+    "top1_agreement_topk",
+    "top_k",
 ]
 
 
@@ -198,13 +214,14 @@ class KldAccumulator:
     (0.0, 1.0)
     """
 
-    __slots__ = ("_kld", "_nll_q", "_nll_ref", "_same")
+    __slots__ = ("_kld", "_nll_q", "_nll_ref", "_same", "_tail")
 
     def __init__(self) -> None:
         self._kld: list[F64Array] = []
         self._nll_q: list[F64Array] = []
         self._nll_ref: list[F64Array] = []
         self._same: list[BoolArray] = []
+        self._tail: list[F64Array] = []  # the reference's tail mass of rows added by add_topk
 
     @property
     def n_tokens(self) -> int:
@@ -238,6 +255,43 @@ class KldAccumulator:
         for lo in range(0, ref.shape[0], step):
             hi = lo + step
             self.add(log_softmax(ref[lo:hi]), log_softmax(q[lo:hi]), tok[lo:hi])
+
+    def add_topk(self, ref_logprobs: npt.ArrayLike, q: TopK, targets: npt.ArrayLike) -> None:
+        """Score a branch that lists only some tokens per row (a remote server's top-k)
+        against the reference's full ``[T, V]`` log-probabilities.
+
+        KLD is :func:`kl_divergence_topk`, a lower bound of the full KLD; top-1 agreement
+        is exact; the branch's log-probability of each target is exact where it is
+        listed (quantroute's remote client always lists it) and an upper bound where not
+        (:func:`token_logprob_topk`), so PPL(Q) is then a lower bound.
+        """
+        ref = np.asarray(ref_logprobs, dtype=np.float64)  # [T, V]
+        if ref.ndim != 2 or ref.shape[0] != q.n_rows:
+            raise ValueError(f"expected [{q.n_rows}, V] reference rows, got {ref.shape}")
+        nll_ref = -token_logprob(ref, targets)  # [T]; validates targets before anything is kept
+        nll_q = -token_logprob_topk(q, targets)  # [T]
+        self._kld.append(kl_divergence_topk(ref, q))
+        self._nll_q.append(nll_q)
+        self._nll_ref.append(nll_ref)
+        self._same.append(top1_agreement_topk(ref, q))
+        self._tail.append(tail_mass_topk(ref, q))
+
+    def add_topk_logits(self, ref_logits: npt.ArrayLike, q: TopK, targets: npt.ArrayLike) -> None:
+        """Like :meth:`add_topk`, from the reference's raw ``[T, V]`` logits, a block at a time."""
+        ref = np.asarray(ref_logits)  # [T, V]
+        tok = np.asarray(targets)  # [T]
+        if ref.ndim != 2 or ref.shape[0] != q.n_rows or tok.shape != (q.n_rows,):
+            raise ValueError(f"expected [{q.n_rows}, V] logits and {q.n_rows} targets")
+        step = max(1, BLOCK_ELEMENTS // max(1, ref.shape[1]))
+        for lo in range(0, ref.shape[0], step):
+            hi = lo + step
+            rows = TopK(q.ids[lo:hi], q.logprobs[lo:hi])
+            self.add_topk(log_softmax(ref[lo:hi]), rows, tok[lo:hi])
+
+    def mean_tail_mass(self) -> float:
+        """The mean reference mass outside the branch's listed tokens, over the rows added
+        by :meth:`add_topk` (0 if none): how much of each distribution the top-k missed."""
+        return float(np.concatenate(self._tail).mean()) if self._tail else 0.0
 
     def per_token_kld(self) -> F64Array:
         """Every scored token's KLD so far, in the order added: ``[T]``."""

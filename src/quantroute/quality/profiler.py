@@ -22,6 +22,11 @@ requested, decode as greedy single-token steps after a short prompt. The best
 sample is kept, as ``timeit`` does: other load on the machine only ever slows
 a run down, and spreading the samples out keeps a burst of it from spoiling
 them all.
+
+A remote branch (a ``url`` in the manifest) is measured after the files, over
+HTTP, on the same chunks: its server's top-k log-probabilities against the
+reference's logits (``quality.remote``; the KLD is then a lower bound). The
+reference must be a file.
 """
 
 from __future__ import annotations
@@ -47,21 +52,29 @@ import numpy as np
 import numpy.typing as npt
 import psutil
 
-from quantroute.errors import ConfigError, EngineError, NotFoundError
+from quantroute.errors import ArtifactIntegrityError, ConfigError, EngineError
 from quantroute.quality.metrics import KldAccumulator, QualityStats
 from quantroute.quality.plot import PLOT_NAME, plot_profiles, render_table
-from quantroute.quality.profile import BranchProfile, ProfileMethod, to_file, write_profile
-from quantroute.registry.manifest import (
-    MANIFEST_NAME,
-    BranchArtifact,
-    load_manifest,
-    verify_artifacts,
+from quantroute.quality.profile import (
+    FULL,
+    BranchProfile,
+    Fidelity,
+    Measure,
+    ProfileMethod,
+    profile_key,
+    to_file,
+    write_profile,
 )
+from quantroute.quality.profile import ModelProfileResult as ModelProfileResult  # old home
+from quantroute.quality.profile import ProfileResult as ProfileResult
+from quantroute.quality.profile import find_model_dirs as find_model_dirs
+from quantroute.registry.manifest import BranchArtifact, check_artifacts, load_manifest
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_N_CTX = 512  # llama-perplexity's default; capped at the model's training context
 DEFAULT_DECODE_TOKENS = 128
+DEFAULT_TOP_K = 20  # a remote branch's listed tokens per position (quality.remote)
 SPEED_SAMPLES = 8  # speed measurements per branch, spread over its pass
 TokenArray = npt.NDArray[np.int32]
 
@@ -69,27 +82,6 @@ TokenArray = npt.NDArray[np.int32]
 def default_calibration_text() -> str:
     """The packaged calibration text: ~80 KB of held-out Python source (see its header)."""
     return (resources.files("quantroute.quality") / "data" / "calibration.txt").read_text("utf-8")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelProfileResult:
-    """One model's profile run: what was measured and where it was written."""
-
-    model: str
-    model_dir: Path
-    profile_path: Path
-    plot_path: Path | None
-    method: ProfileMethod
-    branches: tuple[BranchProfile, ...]  # reference first
-    elapsed_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class ProfileResult:
-    """Everything one ``profile_repo`` call profiled."""
-
-    models: tuple[ModelProfileResult, ...]
-    elapsed_s: float
 
 
 # ---- llama.cpp, through llama-cpp-python's low-level bindings ---------------------------------
@@ -277,6 +269,7 @@ class _Measured:
     rss_bytes: int
     prefill_tps: float
     decode_tps: float
+    fidelity: Fidelity = FULL
 
 
 def _rss() -> int:
@@ -392,38 +385,6 @@ def _measure_in_child(job: _Job, advance: Callable[[], None]) -> _Measured:
 # ---- whole models and repositories --------------------------------------------------------------
 
 
-def find_model_dirs(repo: Path | str, model: str | None = None) -> list[Path]:
-    """Model folders under ``repo`` (or ``repo`` itself if it is one), optionally one ``model``.
-
-    ``model`` matches the manifest's model name; while looking for it, folders
-    whose manifest does not parse are skipped with a warning. Raises
-    ``ConfigError`` if there is no ``quantroute.yaml`` to be found and
-    ``NotFoundError`` if ``model`` names none of them.
-    """
-    repo = Path(repo)
-    if (repo / MANIFEST_NAME).is_file():
-        dirs = [repo]
-    elif repo.is_dir():
-        dirs = sorted(d for d in repo.iterdir() if (d / MANIFEST_NAME).is_file())
-    else:
-        dirs = []
-    if not dirs:
-        raise ConfigError(f"{repo} holds no model: no {MANIFEST_NAME} in it or its folders")
-    if model is not None:
-        dirs = [d for d in dirs if _model_name(d) == model]
-        if not dirs:
-            raise NotFoundError(f"model {model!r} is not in {repo}", param="model")
-    return dirs
-
-
-def _model_name(model_dir: Path) -> str | None:
-    try:
-        return load_manifest(model_dir).model
-    except ConfigError as exc:
-        logger.warning("skipping %s: %s", model_dir, exc)
-        return None
-
-
 @contextmanager
 def _progress(total: int, enabled: bool, desc: str) -> Iterator[Any]:
     bar: Any = None
@@ -453,6 +414,8 @@ def profile_model(
     decode_tokens: int = DEFAULT_DECODE_TOKENS,
     progress: bool = True,
     plot: bool = True,
+    top_k: int = DEFAULT_TOP_K,
+    secret: Callable[[str], str | None] = lambda _name: None,
 ) -> ModelProfileResult:
     """Profile every branch of the model in ``model_dir``; write ``profile.json`` (and a plot).
 
@@ -461,8 +424,13 @@ def profile_model(
     started = time.perf_counter()
     model_dir = Path(model_dir)
     manifest = load_manifest(model_dir)
-    artifacts = verify_artifacts(model_dir, manifest, isolated=True)  # reference first
+    artifacts = check_artifacts(model_dir, manifest, isolated=True)  # reference first
+    local = [a for a in artifacts if a.url is None]  # every file must be sound
+    if problem := next((a.problem for a in local if a.problem is not None), None):
+        raise ArtifactIntegrityError(problem)
     reference = artifacts[0]
+    if reference.url is not None:
+        raise ConfigError(f"{manifest.model}: profiling needs the reference's logits: a file")
     threads = n_threads or len(os.sched_getaffinity(0))
     text = default_calibration_text() if text is None else text
 
@@ -484,7 +452,7 @@ def profile_model(
             shape=(len(plan.chunks), plan.n_scored, plan.n_vocab),
         ).flush()
         with _progress(len(plan.chunks) * len(artifacts), progress, manifest.model) as bar:
-            for art in artifacts:
+            for art in local:
                 if bar is not None:
                     bar.set_postfix_str(art.name)
                 job = _Job(
@@ -498,6 +466,18 @@ def profile_model(
                 m = _measure_in_child(job, bar.update if bar is not None else lambda: None)
                 measured.append((art, m, datetime.now(UTC).replace(microsecond=0)))
                 logger.info("%s:%s measured: %s", manifest.model, art.name, m)
+            remotes = [a for a in artifacts if a.url is not None]
+            if remotes:
+                from quantroute.quality.remote import measure_remote_branches
+
+                chunks = [c.tolist() for c in plan.chunks]
+                tick = bar.update if bar is not None else lambda: None
+                for art, r in measure_remote_branches(
+                    remotes, chunks, plan.targets, plan.first, cache_path,
+                    k=top_k, secret=secret, tick=tick,
+                ):  # fmt: skip
+                    m = _Measured(r.quality, 0, 0.0, 0.0, r.fidelity)
+                    measured.append((art, m, datetime.now(UTC).replace(microsecond=0)))
 
     import llama_cpp
 
@@ -516,13 +496,14 @@ def profile_model(
             model=manifest.model,
             branch=art.name,
             precision=art.precision,
-            sha256=art.sha256,
+            sha256=profile_key(art),
             quality=m.quality,
             file_bytes=art.size_bytes,
             rss_bytes=m.rss_bytes,
             prefill_tps=m.prefill_tps,
             decode_tps=m.decode_tps,
             measured_at=at,
+            fidelity=m.fidelity,
         )
         for art, m, at in measured
     )
@@ -555,6 +536,8 @@ def profile_repo(
     decode_tokens: int = DEFAULT_DECODE_TOKENS,
     progress: bool = True,
     plot: bool = True,
+    top_k: int = DEFAULT_TOP_K,
+    secret: Callable[[str], str | None] = lambda _name: None,
 ) -> ProfileResult:
     """Profile each model under ``repo`` (a repository of model folders, or one model folder).
 
@@ -565,6 +548,8 @@ def profile_repo(
     - ``n_threads``: CPU threads for llama.cpp; default every CPU this process may use.
     - ``decode_tokens``: greedy tokens timed for decode speed (fewer if ``n_ctx`` is short).
     - ``progress``: a tqdm bar on stderr; ``plot``: write ``profile.png`` beside the profile.
+    - ``top_k``: tokens to ask a remote branch (``url``) for per position (quality.remote);
+      ``secret``: reads the variable its ``api_key_env`` names (``Settings.secret``).
 
     Each model folder gets ``profile.json`` (and ``profile.png``). The quality
     numbers are deterministic for a given text, ``n_ctx``, file set and
@@ -581,6 +566,8 @@ def profile_repo(
             decode_tokens=decode_tokens,
             progress=progress,
             plot=plot,
+            top_k=top_k,
+            secret=secret,
         )
         for d in find_model_dirs(repo, model)
     )
@@ -593,6 +580,15 @@ def profile_repo(
 def format_table(result: ProfileResult | ModelProfileResult) -> str:
     """The results as a plain-text table per model, for a terminal or a Markdown code block."""
     models = result.models if isinstance(result, ProfileResult) else (result,)
-    return (
-        "\n\n".join(render_table(m.model, m.method, m.branches, m.elapsed_s) for m in models) + "\n"
-    )
+    return "\n\n".join(_table(m) for m in models) + "\n"
+
+
+def _table(m: ModelProfileResult) -> str:
+    notes = [
+        f"{p.branch}: from its server's top-{p.fidelity.top_k} log-probabilities "
+        f"({p.fidelity.dialect}); KLD is a lower bound, the reference's mass outside the "
+        f"listed tokens {100 * p.fidelity.tail_mass:.2f} %"
+        for p in m.branches
+        if p.fidelity.measure is Measure.TOPK
+    ]
+    return "\n".join([render_table(m.model, m.method, m.branches, m.elapsed_s), *notes])

@@ -3,13 +3,18 @@ and the verified file a worker is handed (``verified``)."""
 
 from __future__ import annotations
 
+from quantroute.registry.branch import (
+    BranchSpec,
+    DeclaredProfile,
+    EngineOptions,
+    EngineRules,
+    RemoteOptions,
+)
 from quantroute.registry.digests import Digests
 from quantroute.registry.gguf_check import GgufSummary, check_gguf, check_gguf_isolated
 from quantroute.registry.manifest import (
     MANIFEST_NAME,
     BranchArtifact,
-    BranchSpec,
-    EngineOptions,
     Manifest,
     TrafficRule,
     VersionSpec,
@@ -30,11 +35,14 @@ __all__ = [
     "SIGNATURE_NAME",
     "BranchArtifact",
     "BranchSpec",
+    "DeclaredProfile",
     "Digests",
     "EngineOptions",
+    "EngineRules",
     "GgufSummary",
     "Manifest",
     "ModelEntry",
+    "RemoteOptions",
     "RepositoryScan",
     "TrafficRule",
     "TrustPolicy",

@@ -8,7 +8,12 @@
       f16:    {file: f16.gguf,    precision: f16,    sha256: 9f2c...}
       q8_0:   {file: q8_0.gguf,   precision: q8_0,   sha256: 41d0...}
       q4_k_m: {file: q4_k_m.gguf, precision: q4_k_m, sha256: c7aa...}
-      remote: {url: "https://gpu-box:8000/v1", engine: openai, precision: fp8}
+      fp8:                       # a remote branch: an OpenAI-compatible server
+        engine: openai
+        url: http://gpu-a:8000/v1    # its OpenAI base URL
+        precision: fp8
+        remote_model: llama-3-8b-fp8 # the name it serves (default: the branch name)
+        api_key_env: GPU_A_KEY       # the environment variable holding its key
     versions:                    # optional: more versions, each its own branches
       v2: {branches: {f16: {file: v2/f16.gguf, precision: f16, sha256: 77e1...}}}
     traffic:                     # optional: which requests get which version
@@ -23,14 +28,25 @@ anything runs it. See docs/repository.md.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from quantroute.errors import ArtifactIntegrityError, ManifestError
+from quantroute.registry.branch import _DEFAULT_REMOTE, EngineRules
+from quantroute.registry.branch import BranchSpec as BranchSpec  # its old home (demo/builder.py)
 from quantroute.registry.digests import Digests, Identity, identity
 from quantroute.registry.digests import sha256_file as sha256_file  # its old home
 from quantroute.registry.gguf_check import check_gguf
@@ -42,79 +58,7 @@ MANIFEST_MAX_BYTES = 1 << 20  # a manifest is a few KiB; more is not one
 MANIFEST_MAX_NESTING = 64  # flow brackets ([ {) open at once; PyYAML recurses per level
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_URL = re.compile(r"^https?://[^\s/?#]+[^\s]*$")
-_DEVICE = re.compile(r"^(cpu|cuda:[0-9]{1,3}|sim:[0-9]{1,3})$")
 _HEADER = re.compile(r"^[A-Za-z0-9-]+$")
-
-
-class EngineOptions(BaseModel):
-    """A branch's own engine settings; unset ones come from ``engine.*``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    n_ctx: int | None = Field(default=None, ge=16, le=1 << 20, description="Context length.")
-    parallel: int | None = Field(default=None, ge=1, le=256, description="Decode slots.")
-    n_batch: int | None = Field(default=None, ge=1, le=1 << 16, description="Prompt batch size.")
-    n_threads: int | None = Field(default=None, ge=1, le=1024, description="Threads of the worker.")
-
-
-class BranchSpec(BaseModel):
-    """One precision of a model, as the manifest declares it: a local GGUF ``file``
-    (with its ``sha256``) run by llama.cpp, or a remote ``url`` (an OpenAI-compatible
-    server; parsed and validated, served once a remote engine exists)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    file: str = Field("", description="GGUF file, relative to the model folder.")
-    url: str | None = Field(default=None, description="A remote engine's base URL.")
-    precision: Precision
-    engine: Literal["llamacpp", "openai"] = "llamacpp"
-    sha256: str = Field("", description="Hex sha256 of the file; checked before loading.")
-    device: str | None = Field(default=None, description="Device hint: cpu, cuda:N or sim:N.")
-    options: EngineOptions = EngineOptions()
-
-    @field_validator("file")
-    @classmethod
-    def _relative(cls, value: str) -> str:
-        path = Path(value)
-        if value and (path.is_absolute() or ".." in path.parts):
-            raise ValueError("file must be a path inside the model folder")
-        return value
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, value: str | None) -> str | None:
-        if value is not None and not _URL.match(value):
-            raise ValueError("url must be an http:// or https:// URL with a host")
-        return value
-
-    @field_validator("sha256")
-    @classmethod
-    def _hex(cls, value: str) -> str:
-        if value and not _SHA256.match(value):
-            raise ValueError("sha256 must be 64 lowercase hex digits")
-        return value
-
-    @field_validator("device")
-    @classmethod
-    def _device(cls, value: str | None) -> str | None:
-        if value is not None and not _DEVICE.match(value):
-            raise ValueError("device must be cpu, cuda:N or sim:N")
-        return value
-
-    @model_validator(mode="after")
-    def _source(self) -> BranchSpec:
-        if bool(self.file) == (self.url is not None):
-            raise ValueError("a branch has exactly one of file (local) or url (remote)")
-        if self.file:
-            if self.engine != "llamacpp":
-                raise ValueError(f"engine {self.engine} runs a url, not a file")
-            if not self.sha256:
-                raise ValueError("a file branch needs its sha256 (checked before loading)")
-        elif self.engine == "llamacpp":
-            raise ValueError("a url branch needs a remote engine (engine: openai)")
-        return self
 
 
 class VersionSpec(BaseModel):
@@ -221,7 +165,7 @@ class BranchArtifact:
     sha256 and has a sound GGUF header; otherwise it says what is wrong, in words,
     and the branch is failed (it never starts). ``version`` is ``None`` for a model
     that declares no versions. A remote branch (``url``) has the model folder as its
-    ``path`` and, while no remote engine exists, a problem saying so."""
+    ``path``, no sha256 and no problem: its engine checks the server."""
 
     model: str
     name: str
@@ -240,7 +184,10 @@ class BranchArtifact:
 
     @property
     def device(self) -> str | None:
-        """The device the manifest pins the branch to (``device:``), if any."""
+        """The device the manifest pins the branch to (``device:``), if any; a remote
+        branch's is its server, ``remote:host:port``."""
+        if self.url is not None:
+            return remote_device(self.url)
         return self.spec.device if self.spec is not None else None
 
     def replaced(self) -> bool:
@@ -268,10 +215,19 @@ class BranchArtifact:
         return versioned_name(self.model, self.version)
 
 
-def load_manifest(model_dir: Path) -> Manifest:
+def remote_device(url: str) -> str:
+    """The device id of a remote server: ``remote:`` and its URL's host and port."""
+    split = urlsplit(url)
+    port = split.port or (443 if split.scheme == "https" else 80)
+    return f"remote:{split.hostname}:{port}"
+
+
+def load_manifest(model_dir: Path, engines: Mapping[str, EngineRules] | None = None) -> Manifest:
     """Parse and validate ``model_dir/quantroute.yaml``; a :class:`ManifestError` names
-    the file (relative to the repository), the field and the problem (up to three)."""
-    return parse_manifest(model_dir, read_manifest(model_dir))
+    the file (relative to the repository), the field and the problem (up to three).
+    With ``engines`` (``engines.table.ENGINES``), each branch's engine must be one of
+    them and take the branch's source and precision."""
+    return parse_manifest(model_dir, read_manifest(model_dir), engines)
 
 
 def read_manifest(model_dir: Path) -> bytes:
@@ -291,7 +247,9 @@ def read_manifest(model_dir: Path) -> bytes:
     return data
 
 
-def parse_manifest(model_dir: Path, data: bytes) -> Manifest:
+def parse_manifest(
+    model_dir: Path, data: bytes, engines: Mapping[str, EngineRules] | None = None
+) -> Manifest:
     """Validate ``data``, the manifest of ``model_dir`` (see :func:`load_manifest`)."""
     path = f"{model_dir.name}/{MANIFEST_NAME}"  # never an absolute path: it is shown
     if _nesting(data) > MANIFEST_MAX_NESTING:
@@ -305,7 +263,7 @@ def parse_manifest(model_dir: Path, data: bytes) -> Manifest:
     if not isinstance(raw, dict):
         raise ManifestError(f"{path}: the manifest must be a mapping (model, reference, branches)")
     try:
-        return Manifest.model_validate(raw)
+        return Manifest.model_validate(raw, context={"engines": engines})
     except ValidationError as exc:
         raise ManifestError(
             f"{path}: " + "; ".join(_describe(e) for e in exc.errors()[:3])
@@ -355,9 +313,10 @@ def check_artifacts(
     artifacts = []
     headers: list[int] = []  # indices of the artifacts whose headers are to be checked
     for name, spec in branches.items():
-        if spec.url is not None:
-            why = f"{label}:{name}: remote engine {spec.engine} is not available in this build"
-            artifacts.append(_artifact(manifest, tag, name, spec, model_dir, "", 0, reference, why))
+        if spec.url is not None:  # nothing on disk to check: its engine probes the server
+            artifacts.append(
+                _artifact(manifest, tag, name, spec, model_dir, "", 0, reference, None)
+            )
             continue
         path = (model_dir / spec.file).resolve()
         problem: str | None = None
@@ -463,6 +422,8 @@ def write_manifest(model_dir: Path, manifest: Manifest) -> Path:
             for key in ("options", "file", "sha256"):
                 if not branch[key]:
                     del branch[key]
+            if branch["remote"] == _DEFAULT_REMOTE:
+                del branch["remote"]
     if not manifest.versions:
         for key in ("version", "versions", "traffic"):
             del data[key]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantroute.errors import ArtifactIntegrityError, ConfigError, ManifestError
+from quantroute.registry.branch import EngineRules
 from quantroute.registry.digests import Digests
 from quantroute.registry.manifest import (
     MANIFEST_NAME,
@@ -65,12 +66,14 @@ def scan_repository(
     memory_bytes: int | None = None,
     digests: Digests | None = None,
     follow_links: bool = False,
+    engines: Mapping[str, EngineRules] | None = None,
 ) -> RepositoryScan:
     """Every model of ``repo``: its manifest validated, its signature verified under
     ``trust``, every version's files checked (sha256, then the GGUF header in a
     bounded child process unless ``isolated`` is false). Each file is read once
     (``digests``, kept across scans by a caller that scans again: ``registry.digests``).
-    ``follow_links``: a branch's file may resolve outside its model folder."""
+    ``follow_links``: a branch's file may resolve outside its model folder. ``engines``:
+    the engine table each branch's ``engine`` must name (``engines.table.ENGINES``)."""
     digests = digests or Digests()
     digests.begin()
     models: list[ModelEntry] = []
@@ -87,6 +90,7 @@ def scan_repository(
                 memory_bytes=memory_bytes,
                 digests=digests,
                 follow_links=follow_links,
+                engines=engines,
             )
             if entry.manifest.model in seen:
                 raise ManifestError(f"model {entry.manifest.model} is declared twice")
@@ -112,6 +116,7 @@ def scan_model(
     memory_bytes: int | None = None,
     digests: Digests | None = None,
     follow_links: bool = False,
+    engines: Mapping[str, EngineRules] | None = None,
 ) -> ModelEntry:
     """One model folder, as :func:`scan_repository` checks it; raises
     :class:`ManifestError` (or its :class:`ArtifactIntegrityError`) for a bad manifest
@@ -119,7 +124,7 @@ def scan_model(
     parsed from the very bytes its signature verified (a manifest swapped between the
     read and the check is refused)."""
     data = read_manifest(directory)
-    manifest = parse_manifest(directory, data)
+    manifest = parse_manifest(directory, data, engines)
     digests = digests or Digests()
     signed: dict[str, str] = {}
     signature = verify_model(directory, trust or TrustPolicy(), digests, signed=signed)

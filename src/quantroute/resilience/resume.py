@@ -25,19 +25,23 @@ latest ``max_events_per_stream``. The events kept, all streams together, are
 at most ``max_bytes``: past it the store sheds down to 15/16 of it, first the
 oldest finished streams whole, then the oldest events of live ones (those
 their readers have passed first); a reader, or a resume, from before what is
-kept gets ``stream_events_gone`` (``resilience/kept_bytes.py``). A stream has
-at most ``max_readers`` watchers at once: a resume past them is a 429 (each
-one let in is counted from :meth:`StreamStore.get` on, so a flood of resumes
-cannot pass it together before any of them follows). The producer never runs further ahead of
-its slowest reader (or, with none, of where the last one left) than 7/8 of
-that: a slow reader holds the generation back instead of losing events, and
-the last 1/8 keeps what was in flight when a client dropped. A producer held
-back for longer than the stream's ``stall_timeout_s`` ends the stream with a
-``reader_stalled`` error (the reader read nothing for that long), which frees
-its generation. Only the owner (a tenant name) may follow, and, where the
-caller says so (an open API, where every stream's owner is the same
-``anonymous``), only with the stream's secret :attr:`Stream.token`, handed to
-the client that started it and compared in constant time.
+kept gets ``stream_events_gone`` (``resilience/kept_bytes.py``). A producer
+held back by a stalled reader ends its stream with a ``reader_stalled`` error,
+which frees its generation. Only the owner (a tenant name) may follow, and,
+where the caller says so (an open API, where every stream's owner is the same
+``anonymous``), only with the stream's secret token.
+
+One stream, its readers and the backpressure they put on its producer:
+``resilience/stream.py`` (:class:`Stream`, re-exported here).
+
+With a :class:`Replication` (``cluster.redis_url``: ``cluster/redis_streams.py``) each
+stream's events are also copied for the other gateways of a fleet, off the append's
+path, and a resume of a stream this gateway does not hold (:meth:`StreamStore.find`)
+reads that copy: the events after ``Last-Event-ID``, then the live rest while its own
+gateway still produces it, then its end, or an error event where the copy cannot say
+more (its gateway died, events were not copied). The owner and the token's digest
+travel with the copy, so the same checks hold on every gateway. A stream shed here
+(``max_bytes``, ``max_streams``) is shed from the copy too.
 """
 
 from __future__ import annotations
@@ -47,41 +51,26 @@ import contextlib
 import hmac
 import json
 import logging
-import secrets
 import time
-from collections import OrderedDict, deque
-from collections.abc import (
-    AsyncGenerator,
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Iterable,
-    Mapping,
-    Sequence,
-)
-from typing import Any
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from quantroute.config import StreamSettings
 from quantroute.errors import NotFoundError, QuantrouteError, RateLimitError
 from quantroute.resilience.kept_bytes import KeptBytes, shed
+from quantroute.resilience.stream import (
+    ATTACH_S,
+    ReaderStalledError,
+    Replica,
+    Stream,
+    token_digest,
+)
 
-__all__ = ["ReaderStalledError", "Stream", "StreamStore"]
+__all__ = ["ReaderStalledError", "RemoteCopy", "Replication", "Stream", "StreamStore"]
 
 log = logging.getLogger(__name__)
-
-# A stream nobody has watched yet gets this long for its first watcher (the response
-# that opened it) before it counts as left: a response that never starts frees its slot.
-ATTACH_S = 5.0
-
-DirectWrite = Callable[[int, Sequence[bytes]], bool]
-"""Writes events ``seq``, ``seq + 1``, ... (their data, in order) to a watcher's client now,
-in one write, or says it may not (``False``: none written)."""
-
-
-class ReaderStalledError(QuantrouteError):
-    """The client stopped reading its stream for longer than the limit."""
-
-    code = "reader_stalled"
 
 
 def _payload(error: QuantrouteError) -> bytes:
@@ -97,362 +86,55 @@ CANCELLED = _payload(
 FAILED = _payload(QuantrouteError("internal error while streaming"))
 
 
-class Stream:
-    """One stream's numbered events (``seq`` 0, 1, ...), the latest ``max_events`` kept."""
+@dataclass(frozen=True, slots=True)
+class RemoteCopy:
+    """What the fleet's copy of a stream holds from a resume's first event on."""
 
-    def __init__(
-        self,
-        key: str,
-        owner: str,
-        headers: Mapping[str, str],
-        max_events: int,
-        grace_s: float,
-        stall_timeout_s: float | None = None,
-        budget: KeptBytes | None = None,
-    ):
-        self.key = key
-        self.owner = owner
-        self.headers = dict(headers)  # of the response that started it, for resumes
-        # The secret a resume shows where the owner alone says nothing (an open API):
-        # only the client that started the stream has it (a response header).
-        self.token = secrets.token_hex(16)
-        self.next_seq = 0  # the seq the next event gets
-        self.done = False
-        self.ended_at: float | None = None  # loop time of the end
-        self._events: deque[bytes] = deque()
-        self._max_events = max_events
-        self._budget = budget or KeptBytes()  # the store's, all streams together
-        self._waiters: list[asyncio.Future[None]] = []  # watchers waiting for an event
-        # The producer stays this many events ahead of the slowest reader at most; the rest
-        # of the window keeps events that were in flight when a client dropped.
-        self._ahead = max(1, max_events - max_events // 8)
-        self._cursors: list[list[int]] = []  # each watcher's next seq
-        self._left_at = 0  # where the last watcher to leave was: a resume starts near it
-        self._moved = asyncio.Event()  # a reader moved on (or left): the producer may go on
-        self._grace_s = grace_s
-        self._stall_timeout_s = stall_timeout_s  # the longest the producer waits for room
-        self._watchers = 0
-        self._let_in: deque[float] = deque()  # monotonic times of resumes not yet following
-        self._producer: asyncio.Task[None] | None = None
-        self._started = False  # the producer ran its first step
-        self._stopping = False  # cancelled before that: it stops as soon as it runs
-        self._reaper: asyncio.TimerHandle | None = None
-        self._expiry: asyncio.TimerHandle | None = None
-        # The parked watcher whose events may be written where they are appended: its
-        # writer, its cursor and the future it waits on (see ``follow_batches``).
-        self._direct: tuple[DirectWrite, list[int], asyncio.Future[None]] | None = None
-        self._written_at = 0.0  # monotonic time of its last direct write
+    owner: str
+    token_digest: str  # of the stream's token (``stream.token_digest``)
+    headers: Mapping[str, str]  # of the response that started it
+    kept_from: int  # the first seq, from the resume's first on, that the copy holds
+    events: Sequence[bytes]  # from ``kept_from`` on, in order
+    next_seq: int  # the seq after the copy's last event (it may lag its producer)
+    rest: AsyncIterator[list[bytes]] | None  # the events after them; None: it ended
 
-    @property
-    def first_seq(self) -> int:
-        """The seq of the oldest event still kept."""
-        return self.next_seq - len(self._events)
 
-    @property
-    def watchers(self) -> int:
-        return self._watchers
+class Replication(Protocol):
+    """Where a store's streams are copied for other gateways, and read back from theirs
+    (``cluster/redis_streams.py``)."""
 
-    def let_in(self, limit: int, now: float) -> bool:
-        """Count one more reader from now on, if the stream has fewer than ``limit``: its
-        watchers, and the readers let in within ``ATTACH_S`` that do not follow yet."""
-        let_in = self._let_in
-        while let_in and let_in[0] <= now - ATTACH_S:  # let in, and never came to follow
-            let_in.popleft()
-        if self._watchers + len(let_in) >= limit:
-            return False
-        let_in.append(now)
-        return True
+    def replicate(self, key: str, owner: str, token: str, headers: Mapping[str, str]) -> Replica:
+        """A new copy of the stream ``key``; the stream hands it its events."""
+        ...
 
-    def opens_with(self, token: str | None, required: bool) -> bool:
-        """Whether a resume that shows ``token`` may follow: no token passes unless one is
-        ``required``; a token passes if it is this stream's (compared in constant time)."""
-        if token is None:
-            return not required
-        presented = token.encode("utf-8", "replace")
-        return hmac.compare_digest(presented, self.token.encode())
+    async def lookup(self, key: str, after: int | None) -> RemoteCopy | None:
+        """The copy of the stream ``key`` from the event after ``after`` on; ``None``: no
+        copy. Raises :class:`~quantroute.errors.ServiceUnavailableError` when the copies
+        cannot be read now."""
+        ...
 
-    def keeps_after(self, after: int | None) -> bool:
-        """Whether every event after ``after`` (``None``: all) is still kept."""
-        return (-1 if after is None else after) + 1 >= self.first_seq
 
-    async def room(self) -> None:
-        """Returns when the slowest reader (or, with none, the last to leave) is close enough
-        that one more event loses nothing it still needs: backpressure on the generation.
-        Raises :class:`ReaderStalledError` after ``stall_timeout_s`` of waiting."""
-        try:
-            async with asyncio.timeout(self._stall_timeout_s):
-                while not self.done and self.next_seq - self._floor() >= self._ahead:
-                    self._moved.clear()
-                    await self._moved.wait()
-        except TimeoutError:
-            raise ReaderStalledError(
-                f"the client read nothing for {self._stall_timeout_s:g} s; the stream was cut"
-            ) from None
+def _not_found() -> NotFoundError:
+    return NotFoundError("no such stream: unknown, expired, or not yours", code="stream_not_found")
 
-    def room_for(self, n: int) -> bool:
-        """Whether ``n`` more events may be appended now without waiting for :meth:`room`."""
-        return not self.done and self.next_seq + n - self._floor() <= self._ahead
 
-    def _floor(self) -> int:
-        cursors = self._cursors
-        if len(cursors) == 1:  # the common case: the response that started it
-            return cursors[0][0]
-        return min(c[0] for c in cursors) if cursors else self._left_at
-
-    def append(self, data: bytes) -> None:
-        if self.done:
-            return
-        events = self._events
-        events.append(data)
-        seq = self.next_seq
-        self.next_seq = seq + 1
-        budget = self._budget  # counted inline (once per token): an add and a compare
-        budget.used += len(data)
-        if len(events) > self._max_events or budget.used > budget.limit:
-            self._bound()
-        self._hand(seq, (data,))
-
-    def extend(self, datas: Sequence[bytes]) -> None:
-        """Append ``datas`` as that many events, at once: a watcher they are written to
-        where they are appended gets them in one write (a stream's last chunk, its usage
-        and ``[DONE]``). The caller makes room for all of them first (:meth:`room_for`)."""
-        if self.done or not datas:
-            return
-        events = self._events
-        events.extend(datas)
-        seq = self.next_seq
-        self.next_seq = seq + len(datas)
-        budget = self._budget
-        budget.used += sum(map(len, datas))
-        if len(events) > self._max_events or budget.used > budget.limit:
-            self._bound()
-        self._hand(seq, datas)
-
-    def _bound(self) -> None:
-        """Past ``max_events``, or the store past its bytes: forget what is over."""
-        if len(self._events) > self._max_events:
-            self.trim(len(self._events) - self._max_events)
-        if self._budget.used > self._budget.limit:
-            self._budget.shed()
-
-    def trim(self, n: int) -> int:
-        """Forget the oldest ``n`` events kept (fewer if it keeps fewer); the bytes freed.
-        A reader, or a resume, from before them gets ``stream_events_gone``."""
-        events = self._events
-        freed = 0
-        for _ in range(min(n, len(events))):
-            freed += len(events.popleft())
-        self._budget.used -= freed
-        return freed
-
-    def read_by_all(self) -> int:
-        """How many of the oldest events kept every reader following now has passed (none
-        without one: a client that left may come back for what was in flight)."""
-        if not self._cursors:
-            return 0
-        return max(0, min(self._floor(), self.next_seq) - self.first_seq)
-
-    def _leave_budget(self) -> None:
-        """No longer one of the store's: its bytes stop counting there."""
-        self._budget.used -= self.kept_bytes
-        self._budget = KeptBytes()
-
-    @property
-    def kept_bytes(self) -> int:
-        """Bytes of the events kept (counted when asked: the store counts them all)."""
-        return sum(map(len, self._events))
-
-    @property
-    def kept_events(self) -> int:
-        return len(self._events)
-
-    def wake(self) -> None:
-        """Wake every watcher (one behind what is kept learns it)."""
-        self._wake()
-
-    def _hand(self, seq: int, datas: Sequence[bytes]) -> None:
-        """Write the events from ``seq`` on for the parked direct watcher, or wake them."""
-        direct = self._direct
-        if direct is not None:
-            write, cursor, parked = direct
-            # written here only when every event before them was: the order on the wire
-            if cursor[0] == seq and write(seq, datas):
-                cursor[0] = self.next_seq  # read: parked, this watcher is nobody's floor
-                self._written_at = time.monotonic()  # its keep-alive counts from here
-                waiters = self._waiters
-                if waiters and (len(waiters) > 1 or waiters[0] is not parked):
-                    self._wake(but=parked)  # the other watchers see it as before
-                return
-        self._wake()
-
-    def _wake(self, but: asyncio.Future[None] | None = None) -> None:
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if waiter is but:
-                self._waiters.append(waiter)
-            elif not waiter.done():
-                waiter.set_result(None)
-
-    def end(self, now: float) -> None:
-        self.done = True
-        self.ended_at = now
-        self._cancel_reaper()
-        self._wake()
-
-    async def follow(
-        self, after: int | None, keepalive_s: float | None = None
-    ) -> AsyncGenerator[tuple[int, bytes] | None, None]:
-        """``(seq, data)`` of every event after ``after`` (``None``: from the first), live
-        ones as they come, until the end; ``None`` after ``keepalive_s`` idle."""
-        async for batch in self.follow_batches(after, keepalive_s, max_batch=1):
-            yield None if batch is None else batch[0]
-
-    async def follow_batches(
-        self,
-        after: int | None,
-        keepalive_s: float | None = None,
-        *,
-        max_batch: int = 1 << 30,
-        until: asyncio.Future[Any] | None = None,
-        direct: DirectWrite | None = None,
-    ) -> AsyncGenerator[list[tuple[int, bytes]] | None, None]:
-        """Like :meth:`follow`, but the events kept and not yet seen (up to ``max_batch``) at
-        once: one when the reader keeps up, more when it lags or resumes (so they are
-        written together). Ends early, as a watcher that left, once ``until`` is done (its
-        client disconnected).
-
-        With ``direct``, an event appended while this watcher is parked, having taken
-        every event before it and handed out its first batch (a response's first event
-        is framed apart), is written by ``direct(seq, data)`` in the appending task
-        and not handed out here (the stream's one such watcher at a time): no task wake
-        per event while the reader keeps up. A write it refuses (``False``) leaves the
-        event to be handed out as usual, and the events after it with it."""
-        seq = 0 if after is None else after + 1
-        cursor = [seq]
-        self._attach(cursor)
-        loop = asyncio.get_running_loop()
-        handed = False  # a batch went out: the response's first event (``retry:``) is past
-        silent_s = keepalive_s or 0.0  # the next wait's keep-alive timer
-        if until is not None:
-            until.add_done_callback(self._woken)
-        try:
-            while until is None or not until.done():
-                if seq < self.first_seq:  # this watcher fell behind what is kept
-                    raise NotFoundError(
-                        "the stream's events after that id are no longer kept",
-                        code="stream_events_gone",
-                    )
-                if seq < self.next_seq:
-                    # handed out, the batch counts as read once the reader asks for more
-                    cursor[0] = seq
-                    self._moved.set()
-                    first = self.first_seq
-                    end = min(self.next_seq, seq + max_batch)
-                    batch = [(s, self._events[s - first]) for s in range(seq, end)]
-                    seq = end
-                    handed = True
-                    silent_s = keepalive_s or 0.0
-                    yield batch
-                    continue
-                if cursor[0] != seq:
-                    cursor[0] = seq
-                    self._moved.set()
-                if self.done:
-                    return
-                # Wait for the next event: a future, not a task per wait (the hot path).
-                waiter: asyncio.Future[None] = loop.create_future()
-                self._waiters.append(waiter)
-                timer = None
-                if keepalive_s is not None:
-                    timer = loop.call_later(silent_s, _time_out, waiter)
-                if direct is not None and handed and self._direct is None:
-                    self._direct = (direct, cursor, waiter)
-                timed_out = False
-                try:
-                    await waiter
-                except TimeoutError:
-                    timed_out = True
-                finally:
-                    if self._direct is not None and self._direct[2] is waiter:
-                        self._direct = None  # awake: what comes now is handed out in order
-                    if timer is not None:
-                        timer.cancel()
-                    if waiter in self._waiters:  # timed out or cancelled: not woken
-                        self._waiters.remove(waiter)
-                written = cursor[0] != seq  # events written for it where they were appended
-                seq = cursor[0]
-                silent_s = keepalive_s or 0.0
-                if written:  # not silent: a keep-alive is due that long after the last write
-                    silent_s = max(0.0, self._written_at + silent_s - time.monotonic())
-                elif timed_out:
-                    yield None
-        finally:
-            if until is not None:
-                until.remove_done_callback(self._woken)
-            self._detach(cursor)  # sync: this may run inside a cancelled scope
-
-    def _woken(self, _: object) -> None:
-        self._wake()  # a watcher's client left: it stops waiting (the others wait again)
-
-    # -- watchers and the grace ----------------------------------------------------
-
-    def _attach(self, cursor: list[int]) -> None:
-        self._watchers += 1
-        if self._let_in:  # a reader let in now follows (which one does not matter)
-            self._let_in.popleft()
-        self._cursors.append(cursor)
-        self._cancel_reaper()
-        self._moved.set()
-
-    def _detach(self, cursor: list[int]) -> None:
-        self._watchers -= 1
-        self._cursors.remove(cursor)
-        self._moved.set()
-        if self._watchers == 0:
-            self._left_at = cursor[0]
-        if self._watchers == 0 and not self.done:
-            if self._grace_s <= 0:
-                self.cancel()
-            else:
-                self._arm(self._grace_s)
-
-    def _arm(self, delay_s: float) -> None:
-        self._cancel_reaper()
-        self._reaper = asyncio.get_running_loop().call_later(delay_s, self._reap)
-
-    def _reap(self) -> None:
-        self._reaper = None
-        if self._watchers == 0 and not self.done:
-            log.info("stream %s: nobody came back; cancelling its generation", self.key)
-            self.cancel()
-
-    def _cancel_reaper(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            self._reaper = None
-
-    def _produced(self, _task: asyncio.Task[None]) -> None:
-        # forgotten once done: a producer cancelled (its client left) holds its error, whose
-        # traceback holds the frame that holds this stream, a cycle for the collector
-        self._producer = None
-
-    def cancel(self) -> None:
-        """Stop the producer (its generation is closed; the stream ends with an error)."""
-        if not self._started:
-            self._stopping = True  # a task cancelled before its first step runs no finally
-        elif self._producer is not None and not self._producer.done():
-            self._producer.cancel()
+def _gone() -> NotFoundError:
+    return NotFoundError(
+        "the stream's events after that id are no longer kept", code="stream_events_gone"
+    )
 
 
 class StreamStore:
     """The streams of one gateway, by key; see the module docstring. ``close`` on shutdown."""
 
-    def __init__(self, settings: StreamSettings):
+    def __init__(self, settings: StreamSettings, replication: Replication | None = None):
         self.settings = settings
         self._budget = KeptBytes(settings.max_bytes, self._shed)
         self._streams: dict[str, Stream] = {}  # in the order they opened
         self._finished: OrderedDict[str, Stream] = OrderedDict()  # in the order they ended
         self._closers: dict[str, Callable[[], Awaitable[None]]] = {}  # not yet called
+        self._replication = replication
+        self._mirrors: set[Stream] = set()  # resumes of other gateways' streams, following
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -481,7 +163,7 @@ class StreamStore:
         if key in self._streams:
             raise ValueError(f"stream {key} exists")
         while len(self._streams) >= self.settings.max_streams and self._finished:
-            self._drop(next(iter(self._finished)))
+            self._evict(next(iter(self._finished)))
         stream = Stream(
             key,
             owner,
@@ -491,6 +173,8 @@ class StreamStore:
             stall_timeout_s,
             self._budget,
         )
+        if self._replication is not None:  # before the first event: the copy has them all
+            stream._replica = self._replication.replicate(key, owner, stream.token, stream.headers)
         for data in first:
             stream.append(data)
         self._streams[key] = stream
@@ -520,13 +204,9 @@ class StreamStore:
             self._drop(key)
             stream = None
         if stream is None or stream.owner != owner or not stream.opens_with(token, token_required):
-            raise NotFoundError(
-                "no such stream: unknown, expired, or not yours", code="stream_not_found"
-            )
+            raise _not_found()
         if not stream.keeps_after(after):
-            raise NotFoundError(
-                "the stream's events after that id are no longer kept", code="stream_events_gone"
-            )
+            raise _gone()
         limit = self.settings.max_readers
         if not stream.let_in(limit, time.monotonic()):
             raise RateLimitError(
@@ -535,9 +215,53 @@ class StreamStore:
             )
         return stream
 
+    async def find(
+        self,
+        key: str,
+        owner: str,
+        after: int | None = None,
+        *,
+        token: str | None = None,
+        token_required: bool = False,
+    ) -> Stream:
+        """:meth:`get`, or, for a stream this gateway does not hold, a stream that follows
+        the fleet's copy of it (with a :class:`Replication`): the same checks, the same
+        answers. A resume after the copy's last event waits for more while the copy is
+        live (it may lag its producer by a batch); after a finished copy's last event,
+        the stream it returns ends there (``next_seq``: the route says it is past)."""
+        replication = self._replication
+        if replication is None or key in self._streams:
+            return self.get(key, owner, after, token=token, token_required=token_required)
+        copy = await replication.lookup(key, after)
+        if copy is None or copy.owner != owner or not _opens(copy, token, token_required):
+            raise _not_found()
+        start = 0 if after is None else after + 1
+        if copy.kept_from > start:
+            raise _gone()
+        if copy.rest is None:
+            start = min(start, copy.next_seq)
+        s = self.settings
+        stall_s = None  # a reader here holds back nothing but its own copy
+        budget = KeptBytes(s.max_bytes)  # its own: at most max_events_per_stream events
+        mirror = Stream(
+            key, owner, copy.headers, s.max_events_per_stream, 0.0, stall_s, budget, start
+        )
+        if copy.events:
+            mirror.extend(copy.events)
+        loop = asyncio.get_running_loop()
+        if copy.rest is None:
+            mirror.end(loop.time())
+            return mirror
+        self._mirrors.add(mirror)
+        producer = loop.create_task(self._produce(mirror, copy.rest), name=f"stream-copy:{key}")
+        mirror._producer = producer
+        producer.add_done_callback(mirror._produced)
+        mirror._arm(ATTACH_S)
+        return mirror
+
     async def close(self) -> None:
         """Cancel every producer (closing its generation) and forget every stream."""
-        streams = list(self._streams.values())
+        streams = [*self._streams.values(), *self._mirrors]
         for stream in streams:
             stream.cancel()
         tasks = [s._producer for s in streams if s._producer is not None]
@@ -554,17 +278,7 @@ class StreamStore:
         try:
             if stream._stopping:
                 raise asyncio.CancelledError
-            async for data in source:
-                if isinstance(data, bytes):
-                    if stream.next_seq - stream._floor() >= stream._ahead:  # else a no-op
-                        await stream.room()
-                    stream.append(data)
-                elif stream.room_for(len(data)):
-                    stream.extend(data)
-                else:  # near the window's edge: each waits for its room
-                    for one in data:
-                        await stream.room()
-                        stream.append(one)
+            await _pump(stream, source)
         except asyncio.CancelledError:
             stream.append(CANCELLED)
             raise
@@ -579,10 +293,14 @@ class StreamStore:
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
-            try:
-                await self._call_close(stream.key)
-            finally:
-                self._ended(stream)
+            if stream in self._mirrors:  # a copy's follower: nothing of this gateway's to free
+                self._mirrors.discard(stream)
+                stream.end(asyncio.get_running_loop().time())
+            else:
+                try:
+                    await self._call_close(stream.key)
+                finally:
+                    self._ended(stream)
 
     async def _call_close(self, key: str) -> None:
         close = self._closers.pop(key, None)
@@ -611,7 +329,14 @@ class StreamStore:
         )
 
     def _shed(self) -> None:
-        shed(self._budget, self._finished, self._streams, self._drop)
+        shed(self._budget, self._finished, self._streams, self._evict)
+
+    def _evict(self, key: str) -> None:
+        """Forget a stream to keep the bounds (``max_bytes``, ``max_streams``): its copy too."""
+        stream = self._streams.get(key)
+        if stream is not None and stream._replica is not None:
+            stream._replica.forget()
+        self._drop(key)
 
     def _drop(self, key: str) -> None:
         stream = self._streams.pop(key, None)
@@ -623,6 +348,24 @@ class StreamStore:
                 stream._expiry.cancel()
 
 
-def _time_out(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
+async def _pump(stream: Stream, source: AsyncIterator[bytes | list[bytes]]) -> None:
+    """Append what ``source`` yields to ``stream``, never further ahead of its slowest reader
+    than its window allows (:meth:`Stream.room`)."""
+    async for data in source:
+        if isinstance(data, bytes):
+            if stream.next_seq - stream._floor() >= stream._ahead:  # else a no-op
+                await stream.room()
+            stream.append(data)
+        elif stream.room_for(len(data)):
+            stream.extend(data)
+        else:  # near the window's edge: each waits for its room
+            for one in data:
+                await stream.room()
+                stream.append(one)
+
+
+def _opens(copy: RemoteCopy, token: str | None, required: bool) -> bool:
+    """:meth:`Stream.opens_with` for a copy, which keeps the token's digest only."""
+    if token is None:
+        return not required
+    return hmac.compare_digest(token_digest(token), copy.token_digest)

@@ -21,7 +21,10 @@ Rules, per device, in order:
    per reading.
 
 A branch that is loaded takes traffic only once its engine is ready (warmed
-up) and it is not draining.
+up), it is not draining, and an operator has not drained it
+(``POST /admin/branches/{id}/drain``: :meth:`Residency.set_drained`, from the cluster
+state). An operator's drain only stops new requests: the branch stays loaded, its
+requests in flight finish, and undraining it lets traffic back at once.
 """
 
 from __future__ import annotations
@@ -157,10 +160,25 @@ class Residency:
         self._reload_margin_bytes = reload_margin_bytes
         self._loaded: set[str] = set()  # branches whose engine runs (or starts)
         self._draining: set[str] = set()  # to unload once their requests finish
+        self._drained: frozenset[str] = frozenset()  # an operator's: no new requests
 
     def routable(self, branch: Branch) -> bool:
-        """Takes routed traffic: its engine is ready (warmed up) and it is not draining."""
-        return branch.engine.ready and branch.id not in self._draining
+        """Takes routed traffic: its engine is ready (warmed up), it is not draining, and
+        no operator drained it."""
+        return (
+            branch.engine.ready
+            and branch.id not in self._draining
+            and branch.id not in self._drained
+        )
+
+    def drained(self, branch_id: str) -> bool:
+        """Drained by an operator: it takes no new requests, routed or pinned."""
+        return branch_id in self._drained
+
+    def set_drained(self, branch_ids: frozenset[str]) -> None:
+        """The branches operators have drained, all of them: one assignment, so routing
+        sees the old set or the new. Ids not in the route table wait for their branch."""
+        self._drained = branch_ids
 
     def loaded(self, branch_id: str) -> bool:
         return branch_id in self._loaded

@@ -30,6 +30,11 @@ from quantroute.telemetry.stats import DeviceStats
 __all__ = ["BranchStates", "Lifecycle", "PlacementView", "RecentRate", "thermal_pressure"]
 
 RATE_WINDOW_S = 60.0  # requests/s are averaged over about this long
+# A remote server's memory, for routing: its KV cache's free share of this many bytes
+# (twice the default ample threshold: an empty cache is ample, a half-full one
+# constrained, one over three quarters full tight); a server that does not say how full
+# its cache is counts as empty (its fullness reaches the score as load).
+REMOTE_SCALE_BYTES = 16 << 30
 COOL_C = 70.0  # GPU temperature with no thermal pressure
 THROTTLE_C = 90.0  # where GPUs begin to throttle: pressure 1
 
@@ -243,6 +248,8 @@ class BranchStates:
             placement = self._placements.get(b.id)
             device_id = placement.device if placement and placement.device else "cpu"
             seen = devices.get(device_id)
+            if seen is None and device_id.startswith("remote:"):
+                seen = devices[device_id] = _remote_memory(b.engine)
             if seen is None:
                 device = snapshot.device(device_id) if snapshot is not None else None
                 free = _free(self._margin.headroom(device), cap, stale) if device else 0
@@ -454,6 +461,15 @@ def _step_life(rate: float, step: float) -> float:
         return math.inf  # under 0.01 req/s, and it only decays
     edge = max(0.01, step * _STEP**-0.5)
     return math.log(rate / edge) - 1e-6 if rate > edge else 0.0
+
+
+def _remote_memory(engine: object) -> tuple[int, int, float, float]:
+    """A remote branch's device figures (free, total, health, heat) from its server's KV
+    cache use, as its engine last probed it (``health()``: ``engines/openai``)."""
+    health = getattr(engine, "health", None)
+    usage = health().get("kv_usage") if callable(health) else None
+    used = usage if isinstance(usage, float) else 0.0
+    return int(REMOTE_SCALE_BYTES * (1.0 - used)), REMOTE_SCALE_BYTES, 1.0, 0.0
 
 
 def _free(headroom: int, cap: int | None, stale: bool) -> int:

@@ -31,6 +31,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 from quantroute.errors import ConfigError
 from quantroute.telemetry.health import HealthTracker
@@ -52,14 +53,17 @@ from quantroute.types import Offload
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Occupancy", "Placement", "PlacementRequest", "partial_offload"]
+__all__ = ["REMOTE_PREFIX", "Occupancy", "Placement", "PlacementRequest", "partial_offload"]
+
+REMOTE_PREFIX = "remote:"  # a remote server's device id: ``remote:host:port``
 
 
 @dataclass(frozen=True, slots=True)
 class PlacementRequest:
     """A branch to place: its id and the local model file (``None``: costs nothing here).
     ``problem``: its file is known bad (the registry said why); it is not placed.
-    ``device``: the device its manifest pins it to (``cpu``, ``cuda:N``, ``sim:N``)."""
+    ``device``: the device its manifest pins it to (``cpu``, ``cuda:N``, ``sim:N``), or
+    the server of a remote branch (``remote:host:port``: placed there, costing nothing)."""
 
     branch_id: str
     model_path: Path | None
@@ -210,6 +214,8 @@ class Occupancy:
         branch_id = request.branch_id
         if request.problem is not None:
             return Placement(None, Footprint(0, 0, 0, 0), problem=request.problem)
+        if request.device is not None and request.device.startswith(REMOTE_PREFIX):
+            return Placement(request.device, Footprint(0, 0, 0, 0))  # no local memory
         if not devices:  # no reading at all: the host, unaccounted
             return Placement("cpu", Footprint(0, 0, 0, 0))
         problem = "no device"
@@ -323,14 +329,14 @@ class Occupancy:
     def loaded(self, branch_id: str) -> None:
         """The branch's worker is up: a simulated device holds its bytes from now on."""
         placement = self._placements.get(branch_id)
-        if self._sim is not None and placement is not None and placement.device is not None:
+        if self._sim is not None and placement is not None and _local(placement.device):
             self._sim.attach(placement.device, branch_id, self.device_bytes(placement.footprint))
 
     def unloaded(self, branch_id: str, *, crashed: bool = False) -> None:
         """The branch's worker stopped (``crashed``: unasked, which counts against its
         device's health)."""
         placement = self._placements.get(branch_id)
-        if placement is None or placement.device is None:
+        if placement is None or not _local(placement.device):
             return
         if self._sim is not None:
             self._sim.detach(placement.device, branch_id)
@@ -381,3 +387,8 @@ def _reserve(device: DeviceStats, nbytes: int) -> DeviceStats:
         used_bytes=device.used_bytes + nbytes,
         free_bytes=max(device.free_bytes - nbytes, 0),
     )
+
+
+def _local(device: str | None) -> TypeGuard[str]:
+    """A device of this host (not ``None``, not a remote server's ``remote:host:port``)."""
+    return device is not None and not device.startswith(REMOTE_PREFIX)

@@ -9,10 +9,13 @@ sits whole in any process's memory.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Any, Protocol
 
 import numpy as np
+
+from quantroute.engines.llamacpp import wire
 
 
 class ScoringJob(Protocol):
@@ -21,8 +24,8 @@ class ScoringJob(Protocol):
     def add(self, logits: np.ndarray[Any, Any]) -> None:
         """One row, ``[V]`` float32 (a view into llama.cpp's buffer: use it now)."""
 
-    def result(self) -> dict[str, Any]:
-        """The event that answers the job, once every row was added."""
+    def result(self, rid: str) -> wire.Logits | wire.Scores:
+        """The event that answers job ``rid``, once every row was added."""
 
     def close(self) -> None:
         """Release files; a job that did not finish leaves nothing behind."""
@@ -44,12 +47,12 @@ class LogitsDump:
         self._file.write(logits.data)  # [V] float32, as llama.cpp returned it
         self._rows += 1
 
-    def result(self) -> dict[str, Any]:
+    def result(self, rid: str) -> wire.Logits:
         if self._rows != self.shape[0]:
             raise ValueError(f"{self._rows} rows of logits for {self.shape[0]} tokens")
         self._file.close()  # flushes: a full file system raises here, not later
         self._done = True
-        return {"ev": "logits", "path": self.path, "shape": list(self.shape)}
+        return wire.Logits(rid, self.path, self.shape)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # a write that failed already said why
@@ -84,7 +87,7 @@ class Comparison:
                 f"the reference's file holds {size} bytes, not {rows} x {vocab} float32"
             )
         self._ref = np.empty(vocab, dtype=np.float32)  # [V], reused for every row
-        self._kld: list[float] = []
+        self._kld: list[float | None] = []  # None: infinite (JSON has no infinity)
         self._top1: list[bool] = []
 
     def add(self, logits: np.ndarray[Any, Any]) -> None:
@@ -93,11 +96,12 @@ class Comparison:
         m = self._metrics
         ref = m.log_softmax(self._ref[None, :])  # [1, V] float64
         q = m.log_softmax(logits[None, :])  # [1, V] float64
-        self._kld.append(float(m.kl_divergence(ref, q)[0]))
+        kld = float(m.kl_divergence(ref, q)[0])
+        self._kld.append(None if math.isinf(kld) else kld)
         self._top1.append(bool(m.top1_agreement(ref, q)[0]))
 
-    def result(self) -> dict[str, Any]:
-        return {"ev": "scores", "kld": self._kld, "top1": self._top1}
+    def result(self, rid: str) -> wire.Scores:
+        return wire.Scores(rid, self._kld, self._top1)
 
     def close(self) -> None:
         self._file.close()

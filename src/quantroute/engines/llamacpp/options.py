@@ -1,0 +1,87 @@
+"""How a llama.cpp worker is started: :class:`WorkerOptions`, its command line and its
+environment (gateway side).
+
+The options a branch's manifest and the engine settings give become the worker's
+``argv`` (``python -m quantroute.engines.llamacpp.worker --model ... --parallel N``),
+less those only the gateway reads (its timeouts, the GPU, which is the worker's
+environment instead). The environment is the gateway's allowlisted part
+(:func:`~quantroute.engines.environment.worker_env`), with the one GPU the worker may
+see.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from quantroute.engines.environment import worker_env
+
+PIPE_LINE_LIMIT_BYTES = 1 << 24
+"""The longest line the gateway reads from a worker (``engines/supervisor.py`` opens the
+pipe with this ``limit``); a longer one kills the reader, and the worker is restarted."""
+
+# Read by the gateway only; not passed to the worker.
+_GATEWAY_ONLY = frozenset({"start_timeout_s", "gen_idle_timeout_s", "score_timeout_s", "gpu"})
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    n_ctx: int = 0
+    parallel: int = 4
+    n_threads: int = 0
+    n_batch: int = 512
+    n_gpu_layers: int = 0
+    log_level: str = "info"
+    start_timeout_s: float = 120.0
+    # A generation's longest wait for its next event (a request queued behind long ones
+    # waits for a free sequence, so this is generous).
+    gen_idle_timeout_s: float = 300.0
+    score_timeout_s: float = 300.0  # a whole scoring command (logits or score)
+    # The worker's longest event line; a longer event is an error for its request only.
+    max_event_bytes: int = 1 << 20
+    cpus: tuple[int, ...] = ()  # pin the worker to these cores; () leaves it unpinned
+    fault: str = ""  # fault injection for tests (see the worker's --fault)
+    gpu: int | None = None  # CUDA device index (NVML order); None: the CPU
+    oom_flag: str = ""  # a simulated device's out-of-memory flag file (see Offload)
+    prompt_cache: bool = True  # reuse finished sequences' KV prefixes (prompt_cache.py)
+    sampler: str = "chain"  # llama.cpp's sampler chain; "numpy" (sampling.py) is a reference
+
+    def __post_init__(self) -> None:
+        if not 1024 <= self.max_event_bytes <= PIPE_LINE_LIMIT_BYTES // 2:
+            raise ValueError(
+                f"max_event_bytes must lie in [1024, {PIPE_LINE_LIMIT_BYTES // 2}] (half the "
+                f"pipe's line limit), not {self.max_event_bytes}"
+            )
+        if self.gen_idle_timeout_s <= 0 or self.score_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+
+    def argv(self, model_path: Path) -> list[str]:
+        argv = [sys.executable, "-m", "quantroute.engines.llamacpp.worker"]
+        argv += ["--model", str(model_path)]
+        for key, value in asdict(self).items():
+            if key == "cpus":
+                if value:
+                    argv += ["--cpus", ",".join(map(str, value))]
+            elif key in ("fault", "oom_flag"):
+                if value:
+                    argv += [f"--{key.replace('_', '-')}", value]
+            elif key == "prompt_cache":
+                if not value:
+                    argv.append("--no-prompt-cache")
+            elif key == "sampler":
+                if value != "chain":
+                    argv += ["--sampler", value]
+            elif key not in _GATEWAY_ONLY:
+                argv += [f"--{key.replace('_', '-')}", str(value)]
+        return argv
+
+    def env(self) -> dict[str, str]:
+        """The worker's environment: the gateway's allowlisted part (:func:`worker_env`),
+        with the GPU it may see (NVML's order, so ``cuda:N`` is the same device for
+        both), or none on the CPU."""
+        env = worker_env(os.environ)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = "" if self.gpu is None else str(self.gpu)
+        return env
