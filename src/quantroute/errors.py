@@ -6,6 +6,7 @@ OpenAI error ``type`` and ``code``, and whether a retry elsewhere may succeed.
     QuantrouteError                      500 server_error
     ├── InvalidRequestError              400 invalid_request_error
     │   ├── ContextLengthExceededError   400   code=context_length_exceeded
+    │   ├── UnsupportedByBranchError     400   code=unsupported_by_branch (next branch)
     │   └── PayloadTooLargeError         413   code=payload_too_large
     ├── NotFoundError                    404 invalid_request_error (model_not_found)
     ├── AuthenticationError              401 authentication_error (no or wrong key)
@@ -65,6 +66,14 @@ class QuantrouteError(Exception):
 class InvalidRequestError(QuantrouteError):
     status = 400
     type = "invalid_request_error"
+
+
+class UnsupportedByBranchError(InvalidRequestError):
+    """What the request asks (``tools``, a field its server does not take) is not what
+    this branch can do: an unpinned request moves to the decision's next branch, never
+    counted against this one; pinned, or with no branch left, it is the 400."""
+
+    code = "unsupported_by_branch"
 
 
 class FieldError(ValueError):

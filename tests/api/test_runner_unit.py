@@ -43,6 +43,7 @@ from quantroute.errors import (
     InvalidRequestError,
     QuantrouteError,
     ServiceUnavailableError,
+    UnsupportedByBranchError,
 )
 from quantroute.registry.manifest import BranchArtifact
 from quantroute.resilience import BreakerPolicy, Breakers, RetryBudget, TenantLimits
@@ -334,3 +335,34 @@ async def test_a_finished_run_closes_its_branchs_half_open_breaker() -> None:
     await _read(run)
     assert parts.breakers.closed(a.id) and breaker.opens == 0
     assert parts.finished == [(a.id, [ord(c) for c in engine.text[:4]])]
+
+
+class _Unsupported(FakeEngine):
+    """Refuses what the request asks at once, as a remote branch refuses ``tools``."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
+        raise UnsupportedByBranchError("tools are served by local branches only", param="tools")
+
+
+async def test_a_branch_that_cannot_do_it_passes_the_request_on_uncounted() -> None:
+    first, second = _Unsupported(), FakeEngine()
+    await _started(first, second)
+    a, b = _branch("q8_0", first), _branch("q4_k_m", second)
+    parts = _parts(_table(_branch("f16", FakeEngine()), a, b))
+    run = await parts.runner.start(_job([a, b]))
+    assert run.branch is b
+    assert parts.budget.retrying == 0  # the next branch is the first that ran: no retry
+    assert _failures(parts, a, b) == [0, 0]
+    assert len(await _read(run)) == 1 + 4 + 1
+
+
+async def test_pinned_or_alone_what_a_branch_cannot_do_is_the_400() -> None:
+    only = _Unsupported()
+    await _started(only)
+    a = _branch("q8_0", only)
+    for pin in (True, False):
+        parts = _parts(_table(_branch("f16", FakeEngine()), a))
+        with pytest.raises(UnsupportedByBranchError) as info:
+            await parts.runner.start(_job([a], pin=pin))
+        assert info.value.status == 400 and info.value.param == "tools"
+        assert _failures(parts, a) == [0]

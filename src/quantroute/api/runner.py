@@ -34,6 +34,7 @@ from quantroute.errors import (
     DeviceOutOfMemoryError,
     EngineError,
     ServiceUnavailableError,
+    UnsupportedByBranchError,
 )
 from quantroute.resilience import Breakers, RetryBudget
 from quantroute.resilience.tenants import Limits
@@ -88,6 +89,7 @@ class Runner:
         last: EngineError | None = None
         tried = 0
         retired = False  # a branch that failed was one a reload had replaced
+        unsupported: UnsupportedByBranchError | None = None  # a branch that cannot do it
         try:
             for routed in job.branches:
                 branch = _successor(routes.current, routed, pinned=job.decision.pinned)
@@ -108,6 +110,15 @@ class Runner:
                     breakers.release(branch.id)  # the request's fault, not the branch's
                     exc.param = "messages" if job.kind == "chat" else "prompt"
                     raise
+                except UnsupportedByBranchError as exc:
+                    breakers.release(branch.id)  # what the request asks, not a failure
+                    if job.decision.pinned:
+                        raise
+                    job.trace.skipped(branch, "unsupported")
+                    unsupported = exc
+                    if tried == 1:  # nothing ran yet: the next branch is not a retry
+                        tried = 0
+                    continue
                 except EngineError as exc:
                     current = serves(routes.current, branch)
                     if isinstance(exc, DeviceOutOfMemoryError) or not current:
@@ -138,6 +149,8 @@ class Runner:
             raise
         budget.finish(retries)
         self.abandon(job)
+        if unsupported is not None and last is None:
+            raise unsupported  # no branch that could do it was tried
         if last is not None and len(job.branches) == 1 and not retired:
             raise last
         raise ServiceUnavailableError(

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from quantroute.engines.base import GenerationRequest, SamplingParams
-from quantroute.errors import InvalidRequestError
+from quantroute.errors import UnsupportedByBranchError
 
 __all__ = ["EXTENSIONS", "SERVERS", "body_of"]
 
@@ -69,14 +69,14 @@ def body_of(
     request: GenerationRequest, model: str, server: str, *, logprobs: bool = True
 ) -> tuple[str, dict[str, Any]]:
     """The path (relative to the base URL) and JSON body for ``request`` on a ``server``
-    (one of :data:`SERVERS`) serving ``model``. Raises :class:`InvalidRequestError` for
-    what that server cannot do as asked."""
+    (one of :data:`SERVERS`) serving ``model``. Raises :class:`UnsupportedByBranchError` for
+    what that server cannot do as asked (an unpinned request moves to the next branch)."""
     s = request.sampling
     body: dict[str, Any] = {"model": model, "stream": True}
     chat = request.chat
     if chat is not None:
         if chat.tools:
-            raise InvalidRequestError(
+            raise UnsupportedByBranchError(
                 "tools are served by local branches only; this branch is remote",
                 param="tools",
             )
@@ -93,7 +93,9 @@ def body_of(
     _sampling(body, s, chat is not None, server)
     if s.logprobs or s.top_logprobs:
         if not logprobs:
-            raise InvalidRequestError("this remote branch returns no logprobs", param="logprobs")
+            raise UnsupportedByBranchError(
+                "this remote branch returns no logprobs", param="logprobs"
+            )
         if chat is not None:
             body["logprobs"] = True
             if s.top_logprobs:
@@ -127,7 +129,7 @@ def _sampling(body: dict[str, Any], s: SamplingParams, chat: bool, server: str) 
             continue
         name = names.get(server)
         if name is None:
-            raise InvalidRequestError(
+            raise UnsupportedByBranchError(
                 f"{field} is not taken by this remote branch's server ({server})", param=field
             )
         body[name] = value
