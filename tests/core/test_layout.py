@@ -158,3 +158,28 @@ def test_environment_variables_are_read_only_in_config() -> None:
     assert "config/settings.py" in reads  # the scan sees a read (a broken scan sees none)
     others = {rel: r for rel, r in reads.items() if rel != "config/settings.py"}
     assert not others, others
+
+
+def test_a_worker_process_imports_only_its_side() -> None:
+    """A worker's imports count in every branch's measured footprint (RSS): importing the
+    worker in a fresh interpreter loads none of the gateway's side. A package ``__init__``
+    that re-exports the engine, the registry or pydantic costs each worker ~16 MiB."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, quantroute.engines.llamacpp.worker\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('quantroute', 'pydantic', 'starlette', 'httpx', 'msgspec'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.split()
+    assert "quantroute.engines.llamacpp.worker_batch" in out  # the probe saw the worker
+    allowed = ("quantroute.engines.llamacpp.", "msgspec")
+    own = {"quantroute", "quantroute.types", "quantroute.engines", "quantroute.engines.llamacpp"}
+    own |= {f"quantroute.engines.{m}" for m in ("base", "sampling", "stops")}
+    gateway_side = {m for m in out if m not in own and not m.startswith(allowed)} | {
+        m for m in out if m.endswith((".engine", ".supervisor", ".options", ".build"))
+    }
+    assert not gateway_side, sorted(gateway_side)

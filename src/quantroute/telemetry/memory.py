@@ -40,7 +40,8 @@ LLAMACPP_KV_PAD = 256
 LLAMACPP_CPU_OVERHEAD_BYTES = 9 * MiB // 2
 LLAMACPP_BYTES_PER_VOCAB_ENTRY = 180
 # What a worker process costs before it loads a model: the interpreter, numpy,
-# llama_cpp and ggml (46 MiB measured on x86-64 Linux, CPython 3.11).
+# llama_cpp, ggml, msgspec and the worker's modules (44 MiB measured on x86-64 Linux,
+# CPython 3.11; tests/core/test_layout.py keeps the gateway's side out of it).
 WORKER_RUNTIME_BYTES = 48 * MiB
 # A CUDA context (driver, cuBLAS workspace, kernels); uncalibrated, from
 # typical nvidia-smi readings of an idle PyTorch/llama.cpp process.
