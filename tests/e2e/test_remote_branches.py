@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +30,11 @@ import httpx
 import openai
 import pytest
 
-from qrtest import demo_model_dir, free_port, serve_process
+from llama_servers import LlamaServer, llama_servers
+from qrtest import demo_model_dir, serve_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 PROBE_S = 0.5  # the remote branches' remote.probe_interval_s
 CHAT: Any = [{"role": "user", "content": "Write a function."}]
 PROMPT = "def main():\n"
@@ -51,76 +49,11 @@ TIGHT = {  # every device tight: the cheapest feasible branch fits best
 }
 
 
-def llama_server_binary() -> Path:
-    """The llama-server ``scripts/llama_server_build.sh`` built (found by its cache key);
-    skips the test when it is not built: ``make test`` does not build it."""
-    key = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "llama_server_build.sh"), "--key"],
-        capture_output=True, text=True, check=True, timeout=60,
-    ).stdout.strip()  # fmt: skip
-    home = os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))
-    cache = Path(os.environ.get("QUANTROUTE_CACHE", f"{home}/quantroute"))
-    binary = cache / "llama-server" / key / "llama-server"
-    if not binary.is_file():
-        pytest.skip(
-            f"llama-server is not built ({binary}); build it with "
-            "`bash scripts/llama_server_build.sh .venv/bin/python` (~10 min on 2 cores)"
-        )
-    return binary
-
-
-@dataclass
-class LlamaServer:
-    """One llama-server on a fixed port, which a test may kill and start again."""
-
-    gguf: Path
-    log: Path
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def start(self) -> None:
-        argv = [str(llama_server_binary()), "-m", str(self.gguf), "--port", str(self.port),
-                "-t", "1", "-np", "4", "--metrics", "-c", "1024", "--host", "127.0.0.1",
-                "--no-webui"]  # fmt: skip
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
-                    return
-            assert self.proc.poll() is None, self.log.read_text()[-2000:]
-            time.sleep(0.1)
-        pytest.fail("llama-server did not become ready in 60 s")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
 @contextlib.contextmanager
 def _llama_servers(root: Path, *names: str) -> Iterator[dict[str, LlamaServer]]:
     servers = {n: LlamaServer(demo_model_dir() / f"{n}.gguf", root / f"{n}.log") for n in names}
-    try:
-        for server in servers.values():
-            server.start()
+    with llama_servers(servers):
         yield servers
-    finally:
-        for server in servers.values():
-            server.stop()
 
 
 def _remote(url: str, precision: str, remote_model: str, **extra: Any) -> dict[str, Any]:

@@ -134,7 +134,7 @@ async def test_start_probes_and_is_ready(up: FakeUpstream, engines: list[OpenAIE
     assert "/health" in up.probes
     assert engine.info is not None and engine.info.parallel == 64  # max_connections: unknown
     assert engine.pid is None and engine.model_path is None and engine.failure is None
-    assert not engine.can_score
+    assert engine.can_score and not engine.writes_logits  # scored by top-k, never a reference
     health = engine.health()
     assert health["healthy"] is True and health["url"] == up.url
 

@@ -14,13 +14,9 @@ runs.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
-import os
 import shutil
-import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +27,8 @@ import numpy.typing as npt
 import pytest
 import yaml
 
-from qrtest import demo_model_dir, free_port
+from llama_servers import LlamaServer, llama_servers
+from qrtest import demo_model_dir
 from quantroute.divergence import kl_divergence, kl_divergence_topk, log_softmax, top_k
 from quantroute.errors import ConfigError
 from quantroute.quality.profile import (
@@ -44,7 +41,6 @@ from quantroute.quality.profile import (
 )
 from quantroute.registry.manifest import MANIFEST_NAME, check_artifacts, load_manifest
 
-ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 40
 K = 5
 F64 = npt.NDArray[np.float64]
@@ -260,60 +256,15 @@ def test_remote_keys_follow_the_endpoint(tmp_path: Path) -> None:
 # ---- against real llama-server processes (slow) ------------------------------------------------
 
 
-def llama_server_binary() -> Path:
-    key = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "llama_server_build.sh"), "--key"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout.strip()
-    home = os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))
-    cache = Path(os.environ.get("QUANTROUTE_CACHE", f"{home}/quantroute"))
-    binary = cache / "llama-server" / key / "llama-server"
-    if not binary.is_file():
-        pytest.skip(f"llama-server is not built ({binary}): scripts/llama_server_build.sh")
-    return binary
-
-
-@contextlib.contextmanager
-def llama_server(gguf: Path, log: Path) -> Iterator[str]:
-    """llama-server serving ``gguf`` on a free loopback port: its OpenAI base URL."""
-    port = free_port()
-    argv = [str(llama_server_binary()), "-m", str(gguf), "--host", "127.0.0.1",
-            "--port", str(port), "-t", "1", "-tb", "1", "--parallel", "1", "-c", "256",
-            "--no-webui"]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            assert proc.poll() is None, log.read_text()[-2000:]
-            time.sleep(0.1)
-        else:
-            pytest.fail("llama-server did not become ready in 60 s")
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """llama-server for the demo model's f16 (the reference) and q8_0 files."""
     logs = tmp_path_factory.mktemp("llama-server")
-    with (
-        llama_server(demo_model_dir() / "f16.gguf", logs / "f16.log") as f16,
-        llama_server(demo_model_dir() / "q8_0.gguf", logs / "q8_0.log") as q8,
-    ):
-        yield {"f16": f16, "q8_0": q8}
+    flags = ("-t", "1", "-tb", "1", "--parallel", "1", "-c", "256")
+    each = {n: LlamaServer(demo_model_dir() / f"{n}.gguf", logs / f"{n}.log", flags)
+            for n in ("f16", "q8_0")}  # fmt: skip
+    with llama_servers(each):
+        yield {n: server.url for n, server in each.items()}
 
 
 def local_rows(gguf: Path, n_ctx: int, first: int) -> tuple[list[int], F64]:

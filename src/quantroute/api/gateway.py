@@ -359,8 +359,8 @@ class Gateway:
             self.observer.version_answered(split_version(run.branch.model)[0], version)
         first = run.job.requests[0]
         if first.prompt_ids is None:  # a replay re-tokenizes the text: token prompts have none
-            self.drift.offer(
-                Replay(run.branch.id, first.prompt, tuple(tokens), first.parse_special)
+            self.drift.offer(  # a remote's answer goes as text (no ids): run.text
+                Replay(run.branch.id, first.prompt, tuple(tokens), first.parse_special, run.text)
             )
 
     # -- engine events (EngineListener) ---------------------------------------

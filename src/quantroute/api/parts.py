@@ -48,13 +48,16 @@ def table_of(builds: list[ModelBuild], generation: int = 0) -> RouteTable:
 
 def drift_monitor(settings: DriftSettings, table: RouteTable) -> DriftMonitor:
     """The drift monitor of ``table``: every branch whose engine can score, replayed
-    through its route's reference, against its profile (not started)."""
+    through its route's reference where that one writes logits (a local one), against
+    its profile (not started)."""
     scorers = {b.id: b.engine for b in table.branches() if b.engine.can_score}
     reference = {
-        b.id: f"{route.name}:{route.reference}"
+        b.id: ref
         for route in table.models.values()
         for b in route.branches
         if b.id in scorers
+        and (ref := f"{route.name}:{route.reference}") in scorers
+        and scorers[ref].writes_logits
     }
     baselines = {
         b.id: Baseline(b.profile.mean_kld, b.profile.top1)

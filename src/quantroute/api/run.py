@@ -75,6 +75,7 @@ class Run:
         self._on_finished = on_finished
         self._on_done = on_done
         self._tokens: list[int] = []  # of choice 0, for the drift monitor
+        self._pieces: list[str] = []  # its text where the engine gave no ids (a remote)
         # Bounded: at most RUN_BUFFER_EVENTS events per choice wait for the reader (``_room``);
         # then the pumps stop, their engine streams fill, and the engine pauses the sequences
         # in the worker (high and low watermarks there). A choice's end or error always fits.
@@ -316,6 +317,8 @@ class Run:
             self._sent[index] += 1
             if index == 0:
                 self._tokens.append(event.token_id)
+                if event.token_id < 0:
+                    self._pieces.append(event.text)
         elif isinstance(event, FinishEvent):
             if event.prompt_tokens and not self.prompt_tokens[index]:
                 # an engine that learns the prompt's size only at the end (a remote server)
@@ -328,6 +331,11 @@ class Run:
             self.usage_tokens += event.completion_tokens
             if index == 0 and self._on_finished:
                 self._on_finished(self, self._tokens)
+
+    @property
+    def text(self) -> str:
+        """Choice 0's text, as far as its engine gave no token ids (a remote's answer)."""
+        return "".join(self._pieces)
 
     def _prompt_share(self, index: int, prompt_tokens: int) -> int:
         """The n choices of one prompt share it: it counts once, with the first of them."""

@@ -182,6 +182,9 @@ class ReferenceLogits:
     path: Path
     n_tokens: int
     n_vocab: int
+    # the tokens the rows were taken on: the prompt's, then the ``n_tokens`` scored
+    # ones (what a remote branch is sent to be compared on the same ids)
+    ids: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -255,8 +258,10 @@ class Engine(Protocol):
     process, for footprint measurement; ``None`` when it has none here),
     ``model_path`` (a local model file the memory model can read; ``None`` for
     a remote engine, which costs no local memory), ``failure`` (why it is
-    failed, in words), ``can_score`` (whether ``write_logits`` and ``score``
-    work: the drift monitor's teacher-forced replay), ``prompt_cache`` (its prompt
+    failed, in words), ``can_score`` (whether ``score`` works: the branch compared
+    with its reference on the same tokens, in the drift monitor's teacher-forced
+    replay), ``writes_logits`` (whether ``write_logits`` works: the engine can be the
+    reference of that replay; a remote one cannot), ``prompt_cache`` (its prompt
     cache's counts; ``None`` for an engine without one).
     """
 
@@ -285,6 +290,9 @@ class Engine(Protocol):
     def can_score(self) -> bool: ...
 
     @property
+    def writes_logits(self) -> bool: ...
+
+    @property
     def prompt_cache(self) -> PromptCacheStats | None: ...
 
     def listen(self, listener: EngineListener) -> None:
@@ -303,11 +311,21 @@ class Engine(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]: ...
 
     async def write_logits(
-        self, prompt: str, tokens: list[int], path: Path, *, parse_special: bool = False
+        self,
+        prompt: str,
+        tokens: list[int],
+        path: Path,
+        *,
+        parse_special: bool = False,
+        text: str | None = None,
+        limit: int = 0,
     ) -> ReferenceLogits:
         """Teacher-force ``tokens`` after ``prompt`` and write the logits that predicted
         each of them to ``path`` (a new file, never an existing one: ``[len(tokens),
-        n_vocab]`` float32). Only where ``can_score``. The caller owns ``path`` and
+        n_vocab]`` float32). With ``text`` and no ``tokens``, the tokens are the first
+        ``limit`` of ``text``'s, tokenized by this engine (a remote branch's answer,
+        whose ids are unknown); the result's ``ids`` say which. Only where
+        ``writes_logits``. The caller owns ``path`` and
         deletes it when done, whether the call succeeded or not: an engine removes the
         file of a job that failed or was cancelled, but one whose process died may
         leave it behind."""
@@ -323,4 +341,5 @@ class Engine(Protocol):
         """Teacher-force the same ``tokens`` after ``prompt`` and compare, token by token,
         with ``reference`` (another engine's :meth:`write_logits` of them): per-token
         ``KL(reference ‖ this)`` and top-1 agreement, computed where the distributions
-        are. Only where ``can_score``."""
+        are (a remote engine's from its top logprobs: a lower bound of the KLD, on
+        ``reference.ids``). Only where ``can_score``."""

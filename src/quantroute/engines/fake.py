@@ -100,6 +100,10 @@ class FakeEngine:
         return False
 
     @property
+    def writes_logits(self) -> bool:
+        return False
+
+    @property
     def prompt_cache(self) -> PromptCacheStats | None:
         return None  # no KV to keep
 
@@ -122,7 +126,14 @@ class FakeEngine:
         await self.start()
 
     async def write_logits(
-        self, prompt: str, tokens: list[int], path: Path, *, parse_special: bool = False
+        self,
+        prompt: str,
+        tokens: list[int],
+        path: Path,
+        *,
+        parse_special: bool = False,
+        text: str | None = None,
+        limit: int = 0,
     ) -> ReferenceLogits:
         raise EngineUnavailableError("a fake engine does not score")
 

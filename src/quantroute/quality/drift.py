@@ -16,6 +16,14 @@ event loop — and go into the branch's current window of
 in a row mark the branch *degraded* (an alert is logged); ``windows_to_recover``
 good windows in a row clear it. Readers take ``monitor.state(branch_id)``, an
 immutable record swapped by reference, without locks.
+
+A **remote branch** (``engine: openai``) is sampled the same way. Its answer comes as
+text, so the reference's worker tokenizes it (the first ``max_tokens`` tokens) while
+it writes the logits, and says which ids it took; the branch's server is then asked
+for its top logprobs along those same ids and the comparison happens in the gateway,
+in a thread (``OpenAIEngine.score``): the KLD is then the top-k estimate, a lower
+bound, as its profile's is (``docs/quality.md``). A model whose reference is remote
+has no drift replay: no server gives whole logit rows.
 """
 
 from __future__ import annotations
@@ -57,7 +65,14 @@ class Scorer(Protocol):
     def info(self) -> EngineInfo | None: ...
 
     async def write_logits(
-        self, prompt: str, tokens: list[int], path: Path, *, parse_special: bool = False
+        self,
+        prompt: str,
+        tokens: list[int],
+        path: Path,
+        *,
+        parse_special: bool = False,
+        text: str | None = None,
+        limit: int = 0,
     ) -> ReferenceLogits: ...
 
     async def score(
@@ -169,12 +184,26 @@ class DriftState:
     dropped: int = 0
 
 
+# The characters of a remote answer kept per token replayed: more than any token's text,
+# so that the reference tokenizes no more than a replay uses.
+CHARS_PER_TOKEN = 32
+
+
 @dataclass(frozen=True, slots=True)
 class Replay:
+    """A finished request to replay: its branch, prompt and answer. ``tokens`` are the
+    answer's ids (``-1`` where the engine did not say: a remote branch); when any is
+    unknown, ``text`` is the answer and the reference tokenizes it."""
+
     branch: str
     prompt: str
     tokens: tuple[int, ...]
     parse_special: bool
+    text: str = ""
+
+    @property
+    def by_text(self) -> bool:
+        return any(t < 0 for t in self.tokens)
 
 
 class DriftWindow:
@@ -281,9 +310,12 @@ class DriftMonitor:
             return self._drop(replay.branch)
         if scorer.in_flight >= max(1, scorer.info.parallel // 2):
             return self._drop(replay.branch)  # the reference has no spare capacity
-        tokens = replay.tokens[: self.settings.max_tokens]
+        if replay.by_text and not replay.text:
+            return False
+        n = self.settings.max_tokens
+        text = replay.text[: n * CHARS_PER_TOKEN] if replay.by_text else ""
         try:
-            self._queue.put_nowait(replace(replay, tokens=tokens))
+            self._queue.put_nowait(replace(replay, tokens=replay.tokens[:n], text=text))
         except asyncio.QueueFull:
             return self._drop(replay.branch)
         return True
@@ -324,17 +356,26 @@ class DriftMonitor:
 
     async def replay(self, replay: Replay) -> None:
         """Teacher-force one request through the reference (logits to a file), then the
-        branch (compared in its worker); add the per-token results to its window. The
-        file is deleted whatever happens; a failure raises and adds nothing."""
+        branch (compared in its worker, or for a remote one in a thread here); add the
+        per-token results to its window. The file is deleted whatever happens; a failure
+        raises and adds nothing."""
         ref_scorer = self._scorers[self._reference[replay.branch]]
         scorer = self._scorers[replay.branch]
-        tokens = list(replay.tokens)
+        tokens = [] if replay.by_text else list(replay.tokens)
+        limit = self.settings.max_tokens if replay.by_text else 0
         n_vocab = ref_scorer.info.n_vocab if ref_scorer.info is not None else 0
-        path = self.files.new(len(tokens) * n_vocab * 4)
+        path = self.files.new((len(tokens) or limit) * n_vocab * 4)
         try:
-            ref = await ref_scorer.write_logits(
-                replay.prompt, tokens, path, parse_special=replay.parse_special
-            )
+            if replay.by_text:  # the reference's tokens of a remote's answer
+                ref = await ref_scorer.write_logits(
+                    replay.prompt, [], path, parse_special=replay.parse_special,
+                    text=replay.text, limit=limit,
+                )  # fmt: skip
+                tokens = list(ref.ids[len(ref.ids) - ref.n_tokens :])
+            else:
+                ref = await ref_scorer.write_logits(
+                    replay.prompt, tokens, path, parse_special=replay.parse_special
+                )
             scores = await scorer.score(
                 replay.prompt, tokens, ref, parse_special=replay.parse_special
             )

@@ -31,14 +31,11 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import math
 import signal
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
-
-import numpy as np
 
 from quantroute.engines.base import (
     EngineInfo,
@@ -163,6 +160,10 @@ class LlamaCppEngine:
 
     @property
     def can_score(self) -> bool:
+        return True
+
+    @property
+    def writes_logits(self) -> bool:
         return True
 
     @property
@@ -545,12 +546,20 @@ class LlamaCppEngine:
     # -- scoring --------------------------------------------------------------
 
     async def write_logits(
-        self, prompt: str, tokens: list[int], path: Path, *, parse_special: bool = False
+        self,
+        prompt: str,
+        tokens: list[int],
+        path: Path,
+        *,
+        parse_special: bool = False,
+        text: str | None = None,
+        limit: int = 0,
     ) -> ReferenceLogits:
-        """Teacher-force ``tokens`` after ``prompt``; the worker writes the float32 logits
-        that predicted each of them to ``path`` (see ``Engine.write_logits``)."""
+        """Teacher-force ``tokens`` (or ``text``'s first ``limit`` tokens) after
+        ``prompt``; the worker writes the float32 logits that predicted each of them to
+        ``path`` (see ``Engine.write_logits``)."""
         rid = f"logits.{next(self._ids)}"
-        command = wire.WriteLogits(rid, prompt, tokens, str(path), parse_special)
+        command = wire.WriteLogits(rid, prompt, tokens, str(path), parse_special, text, limit)
         event = await self._exchange(command, wire.Logits, timeout_s=self._options.score_timeout_s)
         return event.reference()
 
@@ -567,12 +576,9 @@ class LlamaCppEngine:
         ref = wire.Reference(str(reference.path), (reference.n_tokens, reference.n_vocab))
         command = wire.Score(f"score.{next(self._ids)}", prompt, tokens, ref, parse_special)
         event = await self._exchange(command, wire.Scores, timeout_s=self._options.score_timeout_s)
-        # [T]; None on the wire is an infinite divergence (JSON has no infinity)
-        kld = np.array([math.inf if k is None else k for k in event.kld], dtype=np.float64)
-        top1 = np.asarray(event.top1, dtype=np.bool_)  # [T]
-        if kld.shape != (len(tokens),) or top1.shape != (len(tokens),):
+        if len(event.kld) != len(tokens) or len(event.top1) != len(tokens):
             raise EngineError(f"branch {self.name}: scores for the wrong number of tokens")
-        return TokenScores(kld, top1)
+        return event.scores()
 
     # -- generation -----------------------------------------------------------
 

@@ -35,11 +35,12 @@ class LogitsDump:
     """Writes a job's logits rows to a new file at ``path`` (``O_EXCL``: never an
     existing file, nor through a link); removed again unless the job finished."""
 
-    def __init__(self, path: str, n_tokens: int, n_vocab: int):
+    def __init__(self, path: str, n_tokens: int, n_vocab: int, ids: tuple[int, ...] = ()):
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         self._file = os.fdopen(os.open(path, flags, 0o600), "wb")
         self.path = path
         self.shape = (n_tokens, n_vocab)
+        self.ids = ids  # the prompt's tokens, then the scored ones
         self._rows = 0
         self._done = False
 
@@ -52,7 +53,7 @@ class LogitsDump:
             raise ValueError(f"{self._rows} rows of logits for {self.shape[0]} tokens")
         self._file.close()  # flushes: a full file system raises here, not later
         self._done = True
-        return wire.Logits(rid, self.path, self.shape)
+        return wire.Logits(rid, self.path, self.shape, self.ids)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # a write that failed already said why

@@ -51,11 +51,13 @@ replaced (docs/engines.md, "The worker wire").
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Final
 
 import msgspec
+import numpy as np
 
 from quantroute.engines.base import (
     EngineInfo,
@@ -65,6 +67,7 @@ from quantroute.engines.base import (
     SamplingParams,
     StartEvent,
     TokenEvent,
+    TokenScores,
 )
 
 __all__ = [
@@ -116,13 +119,18 @@ class Generate(_Command, tag="gen", frozen=True):
 
 class WriteLogits(_Command, tag="logits", frozen=True):
     """Teacher-force ``prompt + tokens``; write the float32 rows that predicted each of
-    ``tokens`` to a new file at ``path``; answered by :class:`Logits`."""
+    ``tokens`` to a new file at ``path``; answered by :class:`Logits`. With ``text``
+    (and no ``tokens``), the tokens are ``text``'s, tokenized here without BOS or
+    special tokens, the first ``limit`` of them: a remote branch's answer, whose
+    token ids the gateway does not know."""
 
     id: str
     prompt: str
     tokens: list[int]
     path: str
     special: bool = False
+    text: str | None = None
+    limit: int = 0
 
 
 class Reference(msgspec.Struct, frozen=True, gc=False):
@@ -233,14 +241,16 @@ class Finished(_Event, tag="fin", frozen=True):
 
 
 class Logits(_Event, tag="logits", frozen=True):
-    """A :class:`WriteLogits` is done: ``shape`` rows of float32 in the file at ``path``."""
+    """A :class:`WriteLogits` is done: ``shape`` rows of float32 in the file at ``path``,
+    taken on ``ids`` (the prompt's tokens, then the scored ones)."""
 
     id: str
     path: str
     shape: tuple[int, int]
+    ids: tuple[int, ...] = ()
 
     def reference(self) -> ReferenceLogits:
-        return ReferenceLogits(Path(self.path), *self.shape)
+        return ReferenceLogits(Path(self.path), *self.shape, ids=self.ids)
 
 
 class Scores(_Event, tag="scores", frozen=True):
@@ -250,6 +260,11 @@ class Scores(_Event, tag="scores", frozen=True):
     id: str
     kld: list[float | None]
     top1: list[bool]
+
+    def scores(self) -> TokenScores:
+        # [T]; None on the wire is an infinite divergence (JSON has no infinity)
+        kld = np.array([math.inf if k is None else k for k in self.kld], dtype=np.float64)
+        return TokenScores(kld, np.asarray(self.top1, dtype=np.bool_))
 
 
 class Error(_Event, tag="err", frozen=True):

@@ -148,6 +148,10 @@ class Admission:
         model = self._model
         prompt = tokens()
         scored = cmd.tokens
+        if isinstance(cmd, wire.WriteLogits) and cmd.text is not None and not scored:
+            # a remote branch's answer, as text (bounded by the gateway: limit tokens'
+            # worth of characters); its ids go back with the logits
+            scored = model.tokenize(cmd.text, False, bos=False)[: max(cmd.limit, 0)]
         if any(not 0 <= t < model.n_vocab for t in scored):
             raise ValueError("a token id is outside the vocabulary")
         if not scored or len(prompt) + len(scored) > model.n_ctx:
@@ -163,7 +167,7 @@ class Admission:
         )
         try:
             if isinstance(cmd, wire.WriteLogits):
-                seq.job = LogitsDump(cmd.path, len(scored), model.n_vocab)
+                seq.job = LogitsDump(cmd.path, len(scored), model.n_vocab, (*prompt, *scored))
             else:
                 ref = cmd.reference
                 seq.job = Comparison(ref.path, ref.shape, len(scored), model.n_vocab)

@@ -96,16 +96,17 @@ class Model:
 
     # -- vocabulary -----------------------------------------------------------
 
-    def tokenize(self, text: str, special: bool) -> list[int]:
-        """``text``'s tokens, BOS first (called from the tokenizer threads too)."""
+    def tokenize(self, text: str, special: bool, bos: bool = True) -> list[int]:
+        """``text``'s tokens, BOS first unless ``bos`` is false (called from the
+        tokenizer threads too)."""
         data = text.encode("utf-8")
         cap = len(data) + 8
         buf = (lc.llama_token * cap)()
-        n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, True, special)
+        n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, bos, special)
         if n < 0:
             cap = -n
             buf = (lc.llama_token * cap)()
-            n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, True, special)
+            n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, bos, special)
         return list(buf[:n])
 
     def fewest_tokens(self, text: str) -> int:

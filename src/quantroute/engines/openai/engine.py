@@ -56,6 +56,7 @@ from quantroute.engines.openai.chunks import count, error_of, finish_of, tokens_
 from quantroute.engines.openai.load import RemoteLoad, parse_load
 from quantroute.engines.openai.payload import body_of
 from quantroute.engines.openai.sse import EventSplitter, EventTooLarge
+from quantroute.engines.openai.topk import Endpoint, TopkClient, compare, dialect_for
 from quantroute.errors import (
     EngineCrashedError,
     EngineError,
@@ -123,6 +124,7 @@ class OpenAIEngine:
         self._in_flight = 0
         self._info: EngineInfo | None = None
         self._stopped = False
+        self._topk: TopkClient | None = None  # the drift monitor's, made on its first replay
 
     # -- what the gateway reads ------------------------------------------------------
 
@@ -163,7 +165,11 @@ class OpenAIEngine:
 
     @property
     def can_score(self) -> bool:
-        return False
+        return self._config.logprobs  # compared through its top logprobs (topk.py)
+
+    @property
+    def writes_logits(self) -> bool:
+        return False  # a server gives top logprobs, never whole rows
 
     @property
     def prompt_cache(self) -> PromptCacheStats | None:
@@ -247,6 +253,9 @@ class OpenAIEngine:
             if client is not None:
                 await client.aclose()
         self._client = self._probes = None
+        if self._topk is not None:
+            await self._topk.aclose()
+            self._topk = None
 
     async def restart(self) -> None:
         await self.stop()
@@ -490,10 +499,17 @@ class OpenAIEngine:
         if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
             self._set_health(False, _describe(exc))  # the next probe decides when it is back
 
-    # -- scoring: not over HTTP (profiles measure remotes through top logprobs) --------
+    # -- scoring: through the server's top logprobs ---------------------------------
 
     async def write_logits(
-        self, prompt: str, tokens: list[int], path: Path, *, parse_special: bool = False
+        self,
+        prompt: str,
+        tokens: list[int],
+        path: Path,
+        *,
+        parse_special: bool = False,
+        text: str | None = None,
+        limit: int = 0,
     ) -> ReferenceLogits:
         raise EngineError(f"remote branch {self._name} cannot write logits")
 
@@ -505,7 +521,20 @@ class OpenAIEngine:
         *,
         parse_special: bool = False,
     ) -> TokenScores:
-        raise EngineError(f"remote branch {self._name} cannot score")
+        """Teacher-force ``reference.ids`` (the reference's tokens of the prompt and of
+        ``tokens``) on the server, read its top-k at each of ``tokens`` and compare
+        with the reference's rows (:func:`~quantroute.engines.openai.topk.compare`, in
+        a thread). The ids go as ids: the server's tokenizer is not involved."""
+        ids, n = reference.ids, reference.n_tokens
+        if not self._config.logprobs:
+            raise EngineError(f"remote branch {self._name} gives no logprobs")
+        if n < 1 or len(ids) <= n or list(ids[-n:]) != list(tokens):
+            raise EngineError(f"remote branch {self._name}: the reference's ids do not match")
+        if self._topk is None:
+            endpoint = Endpoint(self._base, self._config.model, self._config.api_key)
+            self._topk = TopkClient(endpoint, dialect=dialect_for(self._config.server))
+        rows = await self._topk.score(ids, len(ids) - n - 1)  # [n, k+1]
+        return await asyncio.to_thread(compare, reference, rows)
 
 
 def _loop_time(monotonic_at: float) -> float:
