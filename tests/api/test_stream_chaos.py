@@ -12,6 +12,7 @@ next request. Nothing may keep generating for a client that left."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import socket
@@ -291,7 +292,8 @@ class Direct:
             if id(body) not in narrowed:
                 narrowed.add(id(body))
                 sock = body._transport.get_extra_info("socket")
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)  # no autotuning
+                with contextlib.suppress(OSError):  # a client already gone: nothing to narrow
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)  # no autotuning
             full = body._open and body._cycle.flow.write_paused
             ok = real(body, data)
             self.written += ok

@@ -15,7 +15,7 @@ from quantroute.config import Settings, default_settings
 
 PACKAGES = [
     "quantroute.api",
-    "quantroute.engines",
+    # quantroute.engines exports nothing: a worker imports its modules (test_layout.py)
     "quantroute.grpcapi",
     "quantroute.observability",
     "quantroute.registry",

@@ -182,8 +182,8 @@ class ReferenceLogits:
     path: Path
     n_tokens: int
     n_vocab: int
-    # the tokens the rows were taken on: the prompt's, then the ``n_tokens`` scored
-    # ones (what a remote branch is sent to be compared on the same ids)
+    # the tokens the rows were taken on, when written for a text: the prompt's, then the
+    # ``n_tokens`` scored ones (what a remote branch is sent, to compare the same ids)
     ids: tuple[int, ...] = ()
 
     @property

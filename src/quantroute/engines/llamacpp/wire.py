@@ -241,8 +241,8 @@ class Finished(_Event, tag="fin", frozen=True):
 
 
 class Logits(_Event, tag="logits", frozen=True):
-    """A :class:`WriteLogits` is done: ``shape`` rows of float32 in the file at ``path``,
-    taken on ``ids`` (the prompt's tokens, then the scored ones)."""
+    """A :class:`WriteLogits` is done: ``shape`` rows of float32 in the file at ``path``;
+    for one given ``text``, taken on ``ids`` (the prompt's tokens, then the scored ones)."""
 
     id: str
     path: str

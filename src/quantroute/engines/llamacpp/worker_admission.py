@@ -167,7 +167,8 @@ class Admission:
         )
         try:
             if isinstance(cmd, wire.WriteLogits):
-                seq.job = LogitsDump(cmd.path, len(scored), model.n_vocab, (*prompt, *scored))
+                ids = (*prompt, *scored) if cmd.text is not None else ()  # what a remote needs
+                seq.job = LogitsDump(cmd.path, len(scored), model.n_vocab, ids)
             else:
                 ref = cmd.reference
                 seq.job = Comparison(ref.path, ref.shape, len(scored), model.n_vocab)
