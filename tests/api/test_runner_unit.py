@@ -70,10 +70,15 @@ class _Failing(FakeEngine):
 
 
 def _branch(
-    name: str, engine: FakeEngine, *, sha: str = "0" * 64, kld: float | None = None
+    name: str,
+    engine: FakeEngine,
+    *,
+    sha: str = "0" * 64,
+    kld: float | None = None,
+    kind: str = "fake",
 ) -> Branch:
     artifact = BranchArtifact(
-        MODEL, name, Precision(name), "fake", Path(f"/{name}.gguf"), sha, 0, name == "f16"
+        MODEL, name, Precision(name), kind, Path(f"/{name}.gguf"), sha, 0, name == "f16"
     )
     profile = None if kld is None else SimpleNamespace(mean_kld=kld, top1=0.99)
     return Branch(MODEL, name, Precision(name), artifact, engine, profile)  # type: ignore[arg-type]
@@ -310,6 +315,22 @@ async def test_a_job_routed_before_a_reload_runs_where_its_bound_holds(
     assert run.branch is (successor if runs_on == "new" else routed)
     await _read(run)
     assert [len(old.requests), len(new.requests)] == ([0, 1] if runs_on == "new" else [1, 0])
+
+
+@pytest.mark.parametrize("pin", [False, True])
+async def test_a_job_stays_on_the_engine_it_was_shaped_for(pin: bool) -> None:
+    """A reload that makes the id another engine's (llama.cpp → a remote): the job's
+    requests were built for the old one (a rendered prompt, no messages), so it runs
+    there while that worker drains."""
+    old, new = FakeEngine(), FakeEngine()
+    await _started(old, new)
+    routed = _branch("q8_0", old, sha="b" * 64, kld=0.001)
+    successor = _branch("q8_0", new, sha="b" * 64, kld=0.001, kind="openai")
+    parts = _parts(_table(_branch("f16", FakeEngine()), successor))
+    run = await parts.runner.start(_job([routed], pin=pin))
+    assert run.branch is routed
+    await _read(run)
+    assert [len(old.requests), len(new.requests)] == [1, 0]
 
 
 async def test_a_replaced_workers_failure_counts_on_no_breaker() -> None:

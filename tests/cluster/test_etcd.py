@@ -2,7 +2,7 @@
 a compacted revision, endpoints that fail), the keys read into a view, and gateways in
 this process (the real app over fake engines) that share drains, traffic rules and
 tenants through it; etcd down and back. The fleet of real gateway processes on the demo
-model: ``test_etcd_fleet.py``, which starts its etcd with :class:`EtcdServer` too."""
+model: ``test_etcd_fleet.py``. Both start their etcd with ``cluster_servers.EtcdServer``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -22,6 +20,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from cluster_servers import EtcdServer, etcd_server, eventually, needs_etcd
 from qrtest import ADMIN, ADMIN_KEY, fake_table, free_port, serving
 from quantroute.api.app import create_app
 from quantroute.api.gateway import Gateway
@@ -43,68 +42,7 @@ from quantroute.resilience.tenants import Tenant, Tenants
 from quantroute.routing.table import RouteTable, RouteTableRef
 from quantroute.routing.versions import Rule, VersionSplit
 
-IN_CI = os.environ.get("QUANTROUTE_CI") == "1"  # .ci/run installs it: never skip there
-ETCD = shutil.which("etcd")
-ETCDCTL = shutil.which("etcdctl")
-pytestmark = pytest.mark.skipif(
-    (ETCD is None or ETCDCTL is None) and not IN_CI, reason="etcd and etcdctl are not installed"
-)
-
-
-class EtcdServer:
-    """A one-member etcd on free loopback ports, its data in ``root``: ``start`` (again
-    after ``kill``, on the same ports and data), ``kill`` (SIGKILL: as a host dies)."""
-
-    def __init__(self, root: Path):
-        self.data = root / "etcd-data"
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.peer = f"http://127.0.0.1:{free_port()}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, ready_s: float = 60) -> None:
-        assert ETCD is not None
-        argv = [ETCD, "--name", "default", "--data-dir", str(self.data),
-                "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-                "--listen-peer-urls", self.peer, "--initial-advertise-peer-urls", self.peer,
-                "--initial-cluster", f"default={self.peer}",
-                "--logger", "zap", "--log-level", "error"]  # fmt: skip
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + ready_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "etcd exited while starting"
-            with contextlib.suppress(httpx.HTTPError):
-                r = httpx.post(f"{self.url}/v3/kv/range", json={"key": "AA=="}, timeout=1)
-                if r.status_code == 200:
-                    return
-            time.sleep(0.1)
-        pytest.fail(f"etcd did not answer in {ready_s:g} s")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-
-    def ctl(self, *args: str) -> str:
-        """``etcdctl`` against this server, as an operator runs it."""
-        assert ETCDCTL is not None
-        done = subprocess.run(
-            [ETCDCTL, "--endpoints", self.url, *args],
-            env={**os.environ, "ETCDCTL_API": "3"},
-            capture_output=True,
-            check=True,
-            timeout=60,
-        )
-        return done.stdout.decode()
-
-
-@contextlib.contextmanager
-def etcd_server(root: Path) -> Iterator[EtcdServer]:
-    server = EtcdServer(root)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.kill()
+pytestmark = needs_etcd
 
 
 @pytest.fixture(scope="module")
@@ -119,21 +57,6 @@ _names = iter(range(1_000_000))
 
 def fleet_name() -> str:
     return f"t{os.getpid()}-{next(_names)}"
-
-
-async def eventually(check: Any, within_s: float = 1.0, step_s: float = 0.01) -> float:
-    """Poll ``check`` (sync or async) until it is true; how long it took (fails past
-    ``within_s``)."""
-    started = time.monotonic()
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return time.monotonic() - started
-        if time.monotonic() - started > within_s:
-            pytest.fail(f"not true within {within_s:g} s")
-        await asyncio.sleep(step_s)
 
 
 # -- the client ---------------------------------------------------------------------

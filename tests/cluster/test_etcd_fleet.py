@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -21,17 +20,10 @@ import httpx
 import pytest
 import yaml
 
-from cluster.test_etcd import ETCD, ETCDCTL, EtcdServer, etcd_server, eventually
+from cluster_servers import EtcdServer, etcd_server, eventually, needs_etcd
 from qrtest import ADMIN, ADMIN_KEY, demo_model_dir, serve_process
 
-IN_CI = os.environ.get("QUANTROUTE_CI") == "1"  # .ci/run installs it: never skip there
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        (ETCD is None or ETCDCTL is None) and not IN_CI, reason="etcd is not installed"
-    ),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, needs_etcd]
 
 NAME = "fleet"
 MODEL = "tiny-llama"

@@ -8,70 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import shutil
-import subprocess
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-from qrtest import free_port
+from cluster_servers import RedisServer, needs_redis
 from quantroute.cluster.redis_limits import RedisTenantLimits
 from quantroute.cluster.redis_link import RedisLink, RedisTimings
 from quantroute.resilience.tenants import Tenant, TenantLimits
 
-IN_CI = os.environ.get("QUANTROUTE_CI") == "1"  # .ci/run installs it: never skip there
-REDIS_SERVER = shutil.which("redis-server")
-pytestmark = pytest.mark.skipif(REDIS_SERVER is None and not IN_CI, reason="needs redis-server")
+pytestmark = needs_redis
 
 # a loaded test machine must not read as a slow Redis, but for the fallback test
 TIMINGS = RedisTimings(heartbeat_s=0.2, heartbeat_ttl_s=1.0, check_timeout_s=2.0)
-
-
-class RedisServer:
-    """A redis-server of its own on a loopback port, nothing saved; ``kill``, ``start``."""
-
-    def __init__(self, port: int):
-        self.port = port
-        self.url = f"redis://127.0.0.1:{port}/0"
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        import socket
-
-        assert REDIS_SERVER is not None
-        argv = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no"]  # fmt: skip
-        self._proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            with (
-                contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), timeout=1) as s,
-            ):
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return
-            time.sleep(0.05)
-        raise AssertionError("redis-server did not start")
-
-    def kill(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-            self._proc = None
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer(free_port())
-    server.start()
-    yield server
-    server.kill()
 
 
 @contextlib.asynccontextmanager

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Header, Query, Request
 
+from cluster_servers import RedisServer, needs_redis
 from qrtest import StreamSource, fake_table, free_port
 from quantroute.api import routes
 from quantroute.api.auth import is_open
@@ -38,57 +38,10 @@ from quantroute.engines.fake import FakeEngine
 from quantroute.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
 from quantroute.resilience.resume import Stream, StreamStore
 
-IN_CI = os.environ.get("QUANTROUTE_CI") == "1"  # .ci/run installs it: never skip there
-REDIS_SERVER = shutil.which("redis-server")
-pytestmark = pytest.mark.skipif(REDIS_SERVER is None and not IN_CI, reason="needs redis-server")
+pytestmark = needs_redis
 
 FAST = RedisTimings(heartbeat_s=0.2, heartbeat_ttl_s=1.0, read_block_s=0.2)
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class RedisServer:
-    """A redis-server of its own on a loopback port, nothing saved; ``kill``, ``start``."""
-
-    def __init__(self, port: int):
-        self.port = port
-        self.url = f"redis://127.0.0.1:{port}/0"
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        assert REDIS_SERVER is not None
-        argv = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no"]  # fmt: skip
-        self._proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), socketed(self.port) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return
-            time.sleep(0.05)
-        raise AssertionError("redis-server did not start")
-
-    def kill(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-            self._proc = None
-
-
-@contextlib.contextmanager
-def socketed(port: int) -> Iterator[Any]:
-    import socket
-
-    with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-        yield s
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer(free_port())
-    server.start()
-    yield server
-    server.kill()
 
 
 @contextlib.asynccontextmanager

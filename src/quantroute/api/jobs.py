@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
 from quantroute.api.structured import grammar_of
@@ -14,6 +15,7 @@ from quantroute.engines.base import (
     GenerationRequest,
     SamplingParams,
 )
+from quantroute.engines.table import ENGINES
 from quantroute.observability import NULL_TRACE, RequestTrace
 from quantroute.resilience.admission import Ticket
 from quantroute.resilience.tenants import OPEN, Tenant
@@ -25,6 +27,10 @@ Kind = Literal["chat", "completion"]
 
 
 _SEED_MASK = 2**64 - 1
+# engines known to take a rendered prompt: a chat request bound only for them needs no
+# ChatInput. Any other engine (one that takes messages, or one the table does not
+# know: a test's fake) gets it.
+_RENDERED = frozenset(k.name for k in ENGINES.values() if k.prompt == "rendered")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +63,14 @@ def request_grammar(req: ChatCompletionRequest | CompletionRequest) -> str | Non
     return grammar_of(req.response_format)
 
 
+def takes_messages(branches: Iterable[Branch]) -> bool:
+    """Whether some of ``branches`` runs an engine that may read a chat request's
+    messages (``GenerationRequest.chat``) rather than its rendered prompt: one whose
+    ``EngineKind.prompt`` is ``messages`` (a remote server), or one the engine table
+    does not know."""
+    return any(b.artifact.engine not in _RENDERED for b in branches)
+
+
 def build_job(
     req: ChatCompletionRequest | CompletionRequest,
     decision: Decision,
@@ -69,10 +83,19 @@ def build_job(
     tenant: Tenant = OPEN,
     ticket: Ticket | None = None,
     trace: RequestTrace = NULL_TRACE,
+    messages: Sequence[Mapping[str, Any]] | None = None,
 ) -> Job:
     """The engine requests of a validated request: one per choice (``n`` per prompt),
     with its sampling; ``prompt`` is the rendered chat prompt of a chat request, and
-    ``grammar`` the request's :func:`request_grammar`."""
+    ``grammar`` the request's :func:`request_grammar`.
+
+    A chat request's engine requests carry its :class:`ChatInput` only where one of
+    ``branches`` (the decision's: the ones the runner tries, or their successors after a
+    reload) may read it (:func:`takes_messages`); for local branches alone the rendered
+    prompt is all. ``messages``: the request's messages as
+    ``ChatMessage.for_template`` gives them, the list its prompt was rendered from
+    (``api.tools.template_messages`` copies, never changes it), reused as the
+    ChatInput's; without it they are made here."""
     job_id = uuid.uuid4().hex
     seed = None if req.seed is None else req.seed & _SEED_MASK
     kind: Kind
@@ -87,13 +110,7 @@ def build_job(
         special = prompt.template == "model"
         kind = "chat"
         chat_tools, parallel_tool_calls = bool(req.active_tools), req.parallel_tool_calls
-        chat = ChatInput(
-            tuple(m.for_template() for m in req.messages),
-            None
-            if req.response_format is None
-            else req.response_format.model_dump(by_alias=True, exclude_none=True),
-            tuple(t.model_dump(by_alias=True, exclude_none=True) for t in req.active_tools or ()),
-        )
+        chat = _chat_input(req, messages) if takes_messages(branches) else None
     else:
         limit = req.max_tokens
         fit_context, logprobs = limit is None, req.logprobs is not None
@@ -151,4 +168,16 @@ def build_job(
         tools=chat_tools,
         parallel_tool_calls=parallel_tool_calls,
         trace=trace,
+    )
+
+
+def _chat_input(
+    req: ChatCompletionRequest, messages: Sequence[Mapping[str, Any]] | None
+) -> ChatInput:
+    """The client's conversation, ``response_format`` and tools, in OpenAI's shape."""
+    fmt = req.response_format
+    return ChatInput(
+        tuple(m.for_template() for m in req.messages) if messages is None else tuple(messages),
+        None if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True),
+        tuple(t.model_dump(by_alias=True, exclude_none=True) for t in req.active_tools or ()),
     )

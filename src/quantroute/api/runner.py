@@ -240,10 +240,12 @@ def _successor(table: RouteTable, branch: Branch, *, pinned: bool) -> Branch:
     not known to be as faithful (:func:`as_faithful`): the request's quality bound was
     checked against the old file's profile, so it runs on the old worker while that
     drains, or fails over to the decision's next branch. A pinned job (the client named
-    the branch) takes whatever the id names now."""
+    the branch) takes whatever the id names now, unless the id now names another engine:
+    the job was shaped for the old one (a rendered prompt, or the messages), so it stays
+    there, pinned or not."""
     route = table.models.get(branch.model)
     now = route.branch(branch.name) if route is not None else None
-    if now is None or now is branch:
+    if now is None or now is branch or now.artifact.engine != branch.artifact.engine:
         return branch
     if pinned or as_faithful(branch, now, reference=route.reference if route else ""):
         return now

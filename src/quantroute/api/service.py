@@ -246,12 +246,12 @@ class Service:
                 check_vocabulary(req, info.n_vocab)
             trace.routed(decision)
             prompt = None
+            client: list[dict[str, Any]] | None = None  # the messages, for a remote's ChatInput
             if isinstance(req, ChatCompletionRequest):
                 limits = self._limits
                 template = info.chat_template if info else None
-                messages, tools = template_messages(
-                    [m.for_template() for m in req.messages], req.active_tools, template=template
-                )
+                client = [m.for_template() for m in req.messages]
+                messages, tools = template_messages(client, req.active_tools, template=template)
                 prompt = await render_chat_bounded(  # off the loop, within a time and size
                     messages,
                     tools=tools,
@@ -274,6 +274,7 @@ class Service:
                 tenant=tenant,
                 ticket=ticket,
                 trace=trace,
+                messages=client,
             )
             trace.bind(job.id)
         except BaseException:
