@@ -1,7 +1,7 @@
 """A bare gateway: the floor of a Python HTTP process in front of quantroute's worker.
 
 uvicorn (uvloop, httptools) and one raw ASGI function that streams ``POST /v1/completions``
-from one ``quantroute.engines.llamacpp_worker`` process, driven over its stdin/stdout
+from one ``quantroute.engines.llamacpp.worker`` process, driven over its stdin/stdout
 protocol by the serving benchmark's own ceiling driver (``serving_systems.WorkerCeiling``),
 with nothing else: no validation, routing, admission, tenants, resumable streams, metrics or
 traces. The serving benchmark runs it as the system ``bare-gateway``: what quantroute costs
@@ -75,7 +75,7 @@ class Bare:
                     "choices": [{"index": 0, "text": event["t"], "finish_reason": None}]
                 }
             elif kind == "fin":
-                last = {"index": 0, "text": event["t"], "finish_reason": event["reason"]}
+                last = {"index": 0, "text": event.get("t", ""), "finish_reason": event["reason"]}
                 usage = {"prompt_tokens": event["pt"], "completion_tokens": event["ct"]}
                 chunk = {"choices": [last], "usage": usage}
             else:

@@ -53,7 +53,6 @@ import os
 import platform
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -70,6 +69,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from lean_http import Connection, ConnectionClosed  # noqa: E402
 from servers import Server, free_port, quantroute_command, tree_cpu_s  # noqa: E402
+from stats import fmt, median, percentile  # noqa: E402
 
 log = logging.getLogger("bench_gateway")
 
@@ -94,26 +94,12 @@ PROMPTS = (
 # -- the math (pure) --------------------------------------------------------------------
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile ``q`` (0-100] of ``values``; ``None`` for none."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = math.ceil(q / 100 * len(ordered))
-    return ordered[min(len(ordered), max(rank, 1)) - 1]
-
-
 def added(gateway: Sequence[float], direct: Sequence[float], q: float) -> float | None:
     """What a gateway adds at percentile ``q``: its percentile minus the direct one's (both
     from the same round). Percentiles, not per-request differences: the requests are not
     paired, only their distributions are."""
     g, d = percentile(gateway, q), percentile(direct, q)
     return None if g is None or d is None else g - d
-
-
-def median_or_none(values: Sequence[float | None]) -> float | None:
-    got = [v for v in values if v is not None]
-    return statistics.median(got) if got else None
 
 
 def ratio(quantroute: float | None, litellm: float | None) -> float | None:
@@ -227,12 +213,12 @@ def summarize(
     for n in levels:
         direct = [t.stats() for t in turns if t.target == DIRECT and t.clients == n]
         level: dict[str, Any] = {
-            DIRECT: {k: median_or_none([s[k] for s in direct]) for k in direct[0]}
+            DIRECT: {k: median([s[k] for s in direct]) for k in direct[0]}
             if direct else {},
         }  # fmt: skip
         for gw in gateways:
             per_round = added_per_round(turns, gw, n)
-            level[gw] = {f"added_{k}_ms": median_or_none(v) for k, v in per_round.items()}
+            level[gw] = {f"added_{k}_ms": median(v) for k, v in per_round.items()}
             level[gw]["added_per_round_ms"] = per_round
             level[gw]["cpu_us_per_token"] = cpu_us_per_token(turns, gw, n)
             level[gw]["requests"], level[gw]["failed"] = counts(turns, gw, n)
@@ -537,22 +523,18 @@ def progress(turns: Sequence[Turn], n: int, index: int, rounds: int, took_s: flo
     parts = []
     if DIRECT in mine:
         s = mine[DIRECT].stats()
-        parts.append(f"direct TTFT {_f(s['ttft_p50_ms'])}/{_f(s['ttft_p99_ms'])} ms, "
-                     f"e2e {_f(s['e2e_p50_ms'])}/{_f(s['e2e_p99_ms'])}")  # fmt: skip
+        parts.append(f"direct TTFT {fmt(s['ttft_p50_ms'], 2)}/{fmt(s['ttft_p99_ms'], 2)} ms, "
+                     f"e2e {fmt(s['e2e_p50_ms'], 2)}/{fmt(s['e2e_p99_ms'], 2)}")  # fmt: skip
     for gw in GATEWAYS:
         if gw in mine and DIRECT in mine:
             a = {k: v[-1] if v else None for k, v in added_per_round(
                 [mine[gw], mine[DIRECT]], gw, n).items()}  # fmt: skip
             cpu = cpu_us_per_token([mine[gw]], gw, n)
             parts.append(
-                f"{gw} +{_f(a['ttft_p50'])}/+{_f(a['ttft_p99'])} TTFT, "
-                f"+{_f(a['e2e_p50'])}/+{_f(a['e2e_p99'])} e2e, {_f(cpu, 0)} µs/tok"
+                f"{gw} +{fmt(a['ttft_p50'], 2)}/+{fmt(a['ttft_p99'], 2)} TTFT, "
+                f"+{fmt(a['e2e_p50'], 2)}/+{fmt(a['e2e_p99'], 2)} e2e, {fmt(cpu, 0)} µs/tok"
             )
     return f"round {index + 1}/{rounds} {n:2d} clients ({took_s:.0f} s): " + "; ".join(parts)
-
-
-def _f(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 async def run(args: argparse.Namespace, servers: dict[str, Server], eos: int) -> list[Turn]:
@@ -592,15 +574,15 @@ def markdown(summary: dict[int, dict[str, Any]], gateways: Sequence[str]) -> str
     rows = []
     for n, level in summary.items():
         d = level[DIRECT]
-        rows.append(f"| {n} | (llama-server alone: TTFT {_f(d.get('ttft_p50_ms'))} / "
-                    f"{_f(d.get('ttft_p99_ms'))}, e2e {_f(d.get('e2e_p50_ms'), 1)} / "
-                    f"{_f(d.get('e2e_p99_ms'), 1)}) | | | | |")  # fmt: skip
+        rows.append(f"| {n} | (llama-server alone: TTFT {fmt(d.get('ttft_p50_ms'), 2)} / "
+                    f"{fmt(d.get('ttft_p99_ms'), 2)}, e2e {fmt(d.get('e2e_p50_ms'), 1)} / "
+                    f"{fmt(d.get('e2e_p99_ms'), 1)}) | | | | |")  # fmt: skip
         for gw in gateways:
             g = level[gw]
             rows.append(
-                f"| {n} | {LABELS[gw]} | {_f(g['added_ttft_p50_ms'])} / "
-                f"{_f(g['added_ttft_p99_ms'])} | {_f(g['added_e2e_p50_ms'])} / "
-                f"{_f(g['added_e2e_p99_ms'])} | {_f(g['cpu_us_per_token'], 0)} | "
+                f"| {n} | {LABELS[gw]} | {fmt(g['added_ttft_p50_ms'], 2)} / "
+                f"{fmt(g['added_ttft_p99_ms'], 2)} | {fmt(g['added_e2e_p50_ms'], 2)} / "
+                f"{fmt(g['added_e2e_p99_ms'], 2)} | {fmt(g['cpu_us_per_token'], 0)} | "
                 f"{g['failed']} of {g['requests']} |"
             )
     return head + "\n" + "\n".join(rows)
@@ -613,7 +595,7 @@ def goal_lines(summary: dict[int, dict[str, Any]]) -> list[str]:
             r = level.get(f"ratio_{m}_p99")
             met = level.get(f"goal_{m}_p99")
             verdict = "not measurable" if met is None else "met" if met else "NOT met"
-            out.append(f"{n} client(s): quantroute / LiteLLM added {m} p99 = {_f(r)} "
+            out.append(f"{n} client(s): quantroute / LiteLLM added {m} p99 = {fmt(r, 2)} "
                        f"(goal <= {GOAL_RATIO:.2f}): {verdict}")  # fmt: skip
     return out
 

@@ -71,7 +71,6 @@ import math
 import os
 import platform
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -99,6 +98,7 @@ from serving_systems import (
     llama_server_system,
     quantroute_system,
 )
+from stats import fmt, median, p99
 
 log = logging.getLogger("bench_serving")
 
@@ -122,20 +122,7 @@ DECODE_MIN, TTFT_MAX = 1.0, 1.1
 DECODE_GOALS: dict[str, tuple[int, ...]] = {REALISTIC: (4, 16)}
 
 
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def _p99(values: list[float]) -> float | None:
-    """Nearest-rank 99th percentile."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, -(-99 * len(ordered) // 100) - 1))]
-
-
-def _fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+_p99 = p99  # the name tests/build/test_bench_serving.py reads it by
 
 
 # -- records ----------------------------------------------------------------------
@@ -218,8 +205,8 @@ class Cell:
             tokens=tokens,
             wall_s=wall_s,
             aggregate_tok_s=tokens / wall_s if wall_s > 0 else 0.0,
-            median_ttft_ms=None if not ttft else statistics.median(ttft) * 1e3,
-            p99_itl_ms=None if (p := _p99([g for s in streams for g in s.gaps_s])) is None
+            median_ttft_ms=None if (m := median(ttft)) is None else m * 1e3,
+            p99_itl_ms=None if (p := p99([g for s in streams for g in s.gaps_s])) is None
             else p * 1e3,
             cpu_us_per_token=cpu_s / tokens * 1e6 if tokens else None,
             gateway_cpu_us_per_token=None if gateway_s is None or not tokens
@@ -383,7 +370,7 @@ async def paired_ttft(
                     if ttft is not None:
                         seen[system.name].append(ttft)
             for name, values in seen.items():  # rounds stay aligned: NaN for none
-                medians[name].append(statistics.median(values) if values else math.nan)
+                medians[name].append(math.nan if (m := median(values)) is None else m)
     finally:
         for system in reversed(started):
             await system.close()
@@ -397,7 +384,7 @@ def paired_ratio(medians: dict[str, list[float]], system: str, peer: str) -> flo
     if system not in medians or peer not in medians:
         return None
     pairs = [a / b for a, b in zip(medians[system], medians[peer], strict=True) if b > 0 and a == a]
-    return statistics.median(pairs) if pairs else None
+    return median(pairs)
 
 
 def paired_lines(
@@ -506,10 +493,10 @@ def table_rows(
 ) -> list[list[str]]:
     return [
         [
-            str(n), LABELS[c.system], _fmt(c.aggregate_tok_s),
-            f"{c.round_tok_s_min:.0f}-{c.round_tok_s_max:.0f}", _fmt(c.median_ttft_ms, 2),
-            _fmt(c.p99_itl_ms, 2), _fmt(c.cpu_us_per_token, 0),
-            _fmt(c.gateway_cpu_us_per_token, 0), f"{c.streams} ({c.cut + c.errors})",
+            str(n), LABELS[c.system], fmt(c.aggregate_tok_s),
+            f"{c.round_tok_s_min:.0f}-{c.round_tok_s_max:.0f}", fmt(c.median_ttft_ms, 2),
+            fmt(c.p99_itl_ms, 2), fmt(c.cpu_us_per_token, 0),
+            fmt(c.gateway_cpu_us_per_token, 0), f"{c.streams} ({c.cut + c.errors})",
             "yes" if not c.text_mismatches else f"{c.text_mismatches} differ",
         ]
         for n in args.clients
@@ -526,11 +513,11 @@ def ratio_lines(
         rt = ratios(cells, model, n)
         out.append(
             f"{model}, {n} client(s), quantroute / llama-server: aggregate decode "
-            f"{_fmt(rt['decode'], 2)}x, median TTFT {_fmt(rt['ttft'], 2)}x, p99 ITL "
-            f"{_fmt(rt['itl_p99'], 2)}x, CPU per token {_fmt(rt['cpu_per_token'], 2)}x; "
-            f"quantroute / ceiling: aggregate decode {_fmt(rt['decode_vs_ceiling'], 2)}x; "
-            f"quantroute / bare gateway: aggregate decode {_fmt(rt['decode_vs_bare'], 2)}x, "
-            f"median TTFT {_fmt(rt['ttft_vs_bare'], 2)}x"
+            f"{fmt(rt['decode'], 2)}x, median TTFT {fmt(rt['ttft'], 2)}x, p99 ITL "
+            f"{fmt(rt['itl_p99'], 2)}x, CPU per token {fmt(rt['cpu_per_token'], 2)}x; "
+            f"quantroute / ceiling: aggregate decode {fmt(rt['decode_vs_ceiling'], 2)}x; "
+            f"quantroute / bare gateway: aggregate decode {fmt(rt['decode_vs_bare'], 2)}x, "
+            f"median TTFT {fmt(rt['ttft_vs_bare'], 2)}x"
         )
     return out
 
