@@ -92,6 +92,10 @@ class _Scorer:
         return True
 
     @property
+    def can_score(self) -> bool:
+        return True
+
+    @property
     def in_flight(self) -> int:
         return self.busy
 

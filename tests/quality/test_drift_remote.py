@@ -38,7 +38,9 @@ from quantroute.engines.base import (
 )
 from quantroute.engines.llamacpp.engine import LlamaCppEngine, WorkerOptions
 from quantroute.engines.openai.engine import OpenAIEngine, RemoteConfig
+from quantroute.engines.openai.topk import Endpoint, TopkClient
 from quantroute.engines.supervisor import RestartPolicy
+from quantroute.errors import EngineError
 from quantroute.quality.drift import Baseline, DriftMonitor, LogitsFiles, Replay
 from quantroute.quality.profile import load_profiles
 from quantroute.registry.manifest import load_manifest, verify_artifacts
@@ -59,6 +61,7 @@ class Recorder:
 
     calls: list[tuple[str, dict[str, object]]] = field(default_factory=list)
     ready: bool = True
+    can_score: bool = True
     in_flight: int = 0
     info: EngineInfo | None = field(default_factory=lambda: INFO)
 
@@ -134,6 +137,34 @@ def test_a_remote_engine_scores_but_is_never_a_reference() -> None:
     assert engine.can_score and not engine.writes_logits
     mute = OpenAIEngine("m:r", RemoteConfig("http://127.0.0.1:9/v1", "m", logprobs=False))
     assert not mute.can_score
+    for server in ("sglang", "quantroute"):  # their OpenAI APIs list no ids
+        assert not OpenAIEngine("m:r", RemoteConfig("http://127.0.0.1:9/v1", "m", server)).can_score
+
+
+async def test_a_branch_that_cannot_be_compared_is_not_offered(tmp_path: Path) -> None:
+    ref, branch = Recorder(), Recorder(can_score=False)
+    monitor = _monitor(ref, branch, tmp_path)
+    assert not monitor.offer(Replay("m:remote", "p", (-1,), False, "text"))
+    assert monitor.state("m:remote").dropped == 0  # not a drop: nothing it could replay
+
+
+async def test_a_remote_that_answers_without_ids_stops_being_replayed() -> None:
+    """A server that lists tokens as text (quantroute's, SGLang's) is found out on the
+    first replay: that one fails, and the branch is not offered again."""
+    import httpx
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        lp = {"tokens": ["a"], "token_logprobs": [-0.1], "top_logprobs": [{"a": -0.1}]}
+        return httpx.Response(200, json={"choices": [{"text": "a", "logprobs": lp}]})
+
+    engine = OpenAIEngine("m:r", RemoteConfig("http://remote/v1", "m", "openai"))
+    mock = httpx.MockTransport(handle)
+    engine._topk = TopkClient(Endpoint("http://remote/v1", "m"), transport=mock)
+    reference = ReferenceLogits(Path("/nonexistent"), 1, 354, ids=(1, 5, 7))
+    with pytest.raises(EngineError, match="not"):
+        await engine.score("p", [7], reference)
+    assert not engine.can_score
+    await engine.stop()
 
 
 # ---- against real llama-server processes (slow) ------------------------------------------------

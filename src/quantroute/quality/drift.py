@@ -59,6 +59,9 @@ class Scorer(Protocol):
     def ready(self) -> bool: ...
 
     @property
+    def can_score(self) -> bool: ...
+
+    @property
     def in_flight(self) -> int: ...
 
     @property
@@ -310,8 +313,8 @@ class DriftMonitor:
             return self._drop(replay.branch)
         if scorer.in_flight >= max(1, scorer.info.parallel // 2):
             return self._drop(replay.branch)  # the reference has no spare capacity
-        if replay.by_text and not replay.text:
-            return False
+        if (replay.by_text and not replay.text) or not self._scorers[replay.branch].can_score:
+            return False  # nothing to replay, or a branch that cannot be compared (now)
         n = self.settings.max_tokens
         text = replay.text[: n * CHARS_PER_TOKEN] if replay.by_text else ""
         try:

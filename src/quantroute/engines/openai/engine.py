@@ -56,8 +56,15 @@ from quantroute.engines.openai.chunks import count, error_of, finish_of, tokens_
 from quantroute.engines.openai.load import RemoteLoad, parse_load
 from quantroute.engines.openai.payload import body_of
 from quantroute.engines.openai.sse import EventSplitter, EventTooLarge
-from quantroute.engines.openai.topk import Endpoint, TopkClient, compare, dialect_for
+from quantroute.engines.openai.topk import (
+    NO_LOGPROBS,
+    Endpoint,
+    TopkClient,
+    compare,
+    dialect_for,
+)
 from quantroute.errors import (
+    ConfigError,
     EngineCrashedError,
     EngineError,
     EngineUnavailableError,
@@ -72,6 +79,8 @@ __all__ = ["OpenAIEngine", "RemoteConfig"]
 _ERROR_BODY_BYTES = 64 << 10  # what is read of an upstream's error body
 _PROBE_BODY_BYTES = 4 << 20  # of a health, models or metrics answer
 _UNKNOWN_VOCAB = 2**31 - 1  # a remote's vocabulary is its to check
+# servers whose OpenAI API lists no token ids with its logprobs (docs/quality.md)
+_UNMEASURABLE = frozenset({"sglang", "quantroute"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +134,7 @@ class OpenAIEngine:
         self._info: EngineInfo | None = None
         self._stopped = False
         self._topk: TopkClient | None = None  # the drift monitor's, made on its first replay
+        self._mute = False  # it answered that it gives no logprobs by ids
 
     # -- what the gateway reads ------------------------------------------------------
 
@@ -165,7 +175,10 @@ class OpenAIEngine:
 
     @property
     def can_score(self) -> bool:
-        return self._config.logprobs  # compared through its top logprobs (topk.py)
+        """Compared through its top logprobs (topk.py): unless the manifest says it gives
+        none, its kind of server gives none by ids (SGLang's OpenAI API, quantroute's), or
+        it answered so."""
+        return self._config.logprobs and self._server not in _UNMEASURABLE and not self._mute
 
     @property
     def writes_logits(self) -> bool:
@@ -533,7 +546,13 @@ class OpenAIEngine:
         if self._topk is None:
             endpoint = Endpoint(self._base, self._config.model, self._config.api_key)
             self._topk = TopkClient(endpoint, dialect=dialect_for(self._config.server))
-        rows = await self._topk.score(ids, len(ids) - n - 1)  # [n, k+1]
+        try:
+            rows = await self._topk.score(ids, len(ids) - n - 1)  # [n, k+1]
+        except ConfigError as exc:
+            if exc.error_code == NO_LOGPROBS:  # not measurable: no more replays for it
+                self._mute = True
+                log.warning("%s: not watched for drift: %s", self._name, exc.message)
+            raise EngineError(f"remote branch {self._name}: {exc.message}") from exc
         return await asyncio.to_thread(compare, reference, rows)
 
 
