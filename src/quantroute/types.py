@@ -15,9 +15,13 @@ from typing import Literal, get_args
 class PrecisionSpec:
     """What a precision costs and needs.
 
-    ``bits_per_weight`` is the storage cost llama.cpp reports for the format
-    (block scales included); ``rank`` orders precisions from most faithful (0)
-    to least, and breaks ties when no measured profile exists.
+    ``bits_per_weight`` is the format's storage cost (block scales and zero points
+    included): llama.cpp's figure for a GGUF type; for ``int8`` and ``int4``, ONNX
+    Runtime's ``MatMulNBits`` in blocks of 32 with a float32 scale and a zero point
+    each (8 + 1 + 1/4 and 4 + 1 + 1/8). ``rank`` orders precisions from most faithful
+    (0) to least, and breaks ties when no measured profile exists. ``gguf``: a GGUF
+    file can hold it (llama.cpp's); ``int8``/``int4`` are ONNX Runtime's
+    (``engines/onnx``), ``fp8``/``awq`` a remote server's.
     """
 
     bits_per_weight: float
@@ -34,10 +38,12 @@ class Precision(StrEnum):
     F16 = "f16"
     FP8 = "fp8"
     Q8_0 = "q8_0"
+    INT8 = "int8"
     Q6_K = "q6_k"
     Q5_K_M = "q5_k_m"
     AWQ = "awq"
     Q4_K_M = "q4_k_m"
+    INT4 = "int4"
     Q4_0 = "q4_0"
     Q3_K_M = "q3_k_m"
     Q2_K = "q2_k"
@@ -53,10 +59,14 @@ _SPECS: dict[Precision, PrecisionSpec] = {
     Precision.F16: PrecisionSpec(16.0, 1),
     Precision.FP8: PrecisionSpec(8.0, 2, needs_gpu=True, gguf=False),
     Precision.Q8_0: PrecisionSpec(8.5, 3),
+    # ONNX Runtime's asymmetric blocks of 32 (f32 scale, 8-bit zero point): on the demo,
+    # a lower KLD than q8_0; int4 (4-bit zero points) in q4_k_m's league
+    Precision.INT8: PrecisionSpec(9.25, 3, gguf=False),
     Precision.Q6_K: PrecisionSpec(6.5625, 4),
     Precision.Q5_K_M: PrecisionSpec(5.69, 5),
     Precision.AWQ: PrecisionSpec(4.25, 6, needs_gpu=True, gguf=False),
     Precision.Q4_K_M: PrecisionSpec(4.89, 6),
+    Precision.INT4: PrecisionSpec(5.125, 6, gguf=False),
     Precision.Q4_0: PrecisionSpec(4.5, 7),
     Precision.Q3_K_M: PrecisionSpec(3.91, 8),
     Precision.Q2_K: PrecisionSpec(2.96, 9),

@@ -90,6 +90,7 @@ async def test_quality_header_and_explain(client: tuple[httpx.AsyncClient, Any])
     assert explained["requirement"]["tier"] == "high"
     assert explained["decision"]["branches"][0] == "tiny-llama:q8_0"
     by_branch = {b["branch"]: b for b in explained["branches"]}
+    assert {b["engine"] for b in by_branch.values()} == {"llamacpp"}  # the manifest's engine
     q4 = by_branch["tiny-llama:q4_k_m"]
     assert not q4["feasible"]
     assert any(f["name"] == "quality" and not f["passed"] for f in q4["filters"])

@@ -31,13 +31,18 @@ def _edit(repo: Path, change: Any) -> None:
 
 
 def test_the_table_names_each_engine_once_with_what_it_takes() -> None:
-    assert set(ENGINES) == {"llamacpp", "openai"}
+    assert set(ENGINES) == {"llamacpp", "onnxruntime", "openai"}
     assert all(name == kind.name for name, kind in ENGINES.items())
-    llamacpp, openai = ENGINES["llamacpp"], ENGINES["openai"]
+    llamacpp, onnx, openai = ENGINES["llamacpp"], ENGINES["onnxruntime"], ENGINES["openai"]
     assert (llamacpp.source, llamacpp.prompt, llamacpp.scores) == ("file", "rendered", "logits")
+    assert (onnx.source, onnx.prompt, onnx.scores) == ("file", "rendered", "logits")
     assert (openai.source, openai.prompt, openai.scores) == ("url", "messages", "top_logprobs")
+    assert (llamacpp.tokenizer, onnx.tokenizer, openai.tokenizer) == (False, True, False)
     assert Precision.Q4_K_M in llamacpp.precisions and Precision.FP8 not in llamacpp.precisions
+    assert Precision.INT8 not in llamacpp.precisions and Precision.INT4 not in llamacpp.precisions
+    assert onnx.precisions == {Precision.F32, Precision.F16, Precision.INT8, Precision.INT4}
     assert Precision.FP8 in openai.precisions and Precision.AWQ in openai.precisions
+    assert Precision.INT8 in openai.precisions  # a remote serves what it serves
 
 
 @pytest.mark.parametrize(
@@ -63,6 +68,24 @@ def test_the_table_names_each_engine_once_with_what_it_takes() -> None:
         (
             {"engine": "openai", "url": "http://h:1/v1", "precision": "f16", "api_key_env": "a b"},
             "api_key_env must name an environment variable",
+        ),
+        (
+            {"engine": "onnxruntime", "file": "m.onnx", "sha256": "0" * 64, "precision": "int8"},
+            "engine onnxruntime needs a tokenizer",
+        ),
+        (
+            {
+                "engine": "onnxruntime",
+                "file": "m.onnx",
+                "sha256": "0" * 64,
+                "precision": "q4_k_m",
+                "tokenizer": {"file": "t.gguf", "sha256": "0" * 64},
+            },
+            "engine onnxruntime does not run precision q4_k_m",
+        ),
+        (
+            {"engine": "onnxruntime", "url": "http://h:1/v1", "precision": "int8"},
+            "engine onnxruntime runs a file, not a url",
         ),
     ],
 )
@@ -101,6 +124,49 @@ def test_each_entry_builds_its_engine(tmp_path: Path) -> None:
     assert isinstance(remote, OpenAIEngine)
     assert remote.url == "http://127.0.0.1:9/v1" and remote.model_path is None
     assert "QR_TEST_GPU_KEY" not in repr(remote.__dict__.get("_config", ""))
+
+
+def test_an_onnx_branch_builds_the_worker_with_its_two_verified_files(tmp_path: Path) -> None:
+    from quantroute.engines.llamacpp.options import WorkerOptions
+
+    if "backend" not in WorkerOptions.__dataclass_fields__:
+        pytest.skip("the ONNX worker (WorkerOptions.backend) is not in yet")
+    pytest.importorskip("onnx")
+    from quantroute.demo.onnx_export import export_onnx
+    from quantroute.registry.manifest import sha256_file
+
+    repo = demo_repo_copy(tmp_path)
+    folder = repo / "tiny-llama" / "onnx_int4"
+    export_onnx(repo / "tiny-llama" / "f16.gguf", folder, "int4")
+    branch = {
+        "engine": "onnxruntime",
+        "file": "onnx_int4/model.onnx",
+        "precision": "int4",
+        "sha256": sha256_file(folder / "model.onnx"),
+        "tokenizer": {
+            "file": "onnx_int4/tokenizer.gguf",
+            "sha256": sha256_file(folder / "tokenizer.gguf"),
+        },
+        "options": {"n_ctx": 256, "parallel": 2},
+    }
+    _edit(repo, lambda b: b.update(onnx_int4=branch))
+    settings = default_settings().model_copy(update={"repo": repo})
+    catalog = Catalog(settings)
+    [build] = catalog.build_all(catalog.scan())
+    engines = {b.name: b.engine for b in build.routes[0].branches}
+    engine = engines["onnx_int4"]
+    assert isinstance(engine, LlamaCppEngine) and isinstance(engines["f16"], LlamaCppEngine)
+    assert engine.model_path == folder / "model.onnx"
+    argv = " ".join(engine._files.argv(engine._options))
+    assert engine._options.backend == "onnx"
+    assert (engine._options.n_ctx, engine._options.parallel) == (256, 2)
+    assert str(folder / "tokenizer.gguf") in argv and engine._files.verified
+    # a branch whose tokenizer fails its check still gets its (never started) engine
+    (folder / "tokenizer.gguf").write_bytes(b"GGUF")
+    [build] = catalog.build_all(catalog.scan())
+    failed = next(b for b in build.routes[0].branches if b.name == "onnx_int4")
+    assert failed.artifact.problem is not None and "tokenizer.sha256" in failed.artifact.problem
+    assert isinstance(failed.engine, LlamaCppEngine) and not failed.engine._files.verified
 
 
 class _Echo(FakeEngine):

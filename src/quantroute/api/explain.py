@@ -4,7 +4,7 @@ and the branches' states; this renders what the policy makes of them)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from quantroute.config import RoutingSettings
@@ -36,9 +36,11 @@ def explain_json(
     shape: RequestShape,
     states: Sequence[BranchState],
     settings: RoutingSettings,
+    engines: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The policy's decision for ``model``'s ``states``, and per branch each filter and
-    the score; an infeasible request's error in place of the decision."""
+    the score; an infeasible request's error in place of the decision. ``engines``: each
+    branch id's engine (its manifest's ``engine:``), shown beside it."""
     body: dict[str, Any] = {"model": model}
     body["requirement"] = {f: getattr(requirement, f) for f in _REQUIREMENT}
     body["request"] = {"prompt_tokens_max": shape.prompt_tokens, "max_tokens": shape.max_tokens}
@@ -60,4 +62,7 @@ def explain_json(
     if not explained:  # nothing chosen (a wait, a 503): the filters and scores alone
         explained = explain(requirement, shape, states, settings)
     body["branches"] = [e.to_dict() for e in explained]
+    if engines is not None:
+        for row in body["branches"]:
+            row["engine"] = engines.get(row["branch"])
     return body

@@ -150,7 +150,8 @@ class Service:
         if branch is not None:
             return pinned_json(route.name, branch, ready=self._routable(branch))
         states = self._states.read(route.name)
-        return explain_json(route.name, requirement, shape, states, self._routing)
+        engines = {b.id: b.artifact.engine for b in route.branches}
+        return explain_json(route.name, requirement, shape, states, self._routing, engines)
 
     async def decide(
         self,

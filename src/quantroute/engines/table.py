@@ -1,15 +1,18 @@
 """The engine table: every engine a manifest's ``engine:`` may name, what each takes,
 and how each is built. One entry per engine, nothing imported by name.
 
-========== ====== ============================== ============== =====================
-engine     source precisions                     prompt         fidelity measured by
-========== ====== ============================== ============== =====================
-llamacpp   file   the GGUF ones (f32 ... q2_k)    rendered       full logits
-openai     url    every one                      messages       top logprobs (or declared)
-========== ====== ============================== ============== =====================
+=========== ============= ============================== ======== ==========================
+engine      source        precisions                     prompt   fidelity measured by
+=========== ============= ============================== ======== ==========================
+llamacpp    file          the GGUF ones (f32 ... q2_k)   rendered full logits
+onnxruntime file + tokens f32, f16, int8, int4           rendered full logits
+openai      url           every one                      messages top logprobs (or declared)
+=========== ============= ============================== ======== ==========================
 
 - **source**: a local ``file`` (checked by sha256 and header before anything runs it)
-  or a server's ``url``.
+  or a server's ``url``. ``file + tokens``: the file is an ONNX graph and the branch
+  names its ``tokenizer`` too (a GGUF holding the vocabulary, checked the same way;
+  ``EngineKind.tokenizer``, ``registry.onnx_pair``).
 - **prompt**: ``rendered``: the gateway renders a chat request with the model's
   template (``shaping/``) and hands the engine text; ``messages``: the engine gets the
   client's messages (``GenerationRequest.chat``) and its server applies its own.
@@ -18,8 +21,14 @@ openai     url    every one                      messages       top logprobs (or
   ``top_logprobs``: measured through an OpenAI API's top logprobs
   (``quality.remote``); a manifest may declare a remote's profile instead.
 
-A manifest that names an engine not here, or gives it a source or precision it does not
-take, is refused at the scan, naming the file and branch (``registry.manifest``).
+``onnxruntime`` runs in the same supervised worker as ``llamacpp``
+(``WorkerOptions(backend="onnx")``): ONNX Runtime's CPU execution provider decodes,
+llama.cpp tokenizes from the tokenizer file, and the worker is handed both files as
+verified descriptors. It is placed on the CPU only (``telemetry.occupancy``).
+
+A manifest that names an engine not here, or gives it a source, precision or tokenizer
+it does not take, is refused at the scan, naming the file and branch
+(``registry.manifest``).
 """
 
 from __future__ import annotations
@@ -66,7 +75,8 @@ class BuildContext:
 
 @dataclass(frozen=True, slots=True)
 class EngineKind:
-    """One engine: what it takes (see the module's table) and its constructor."""
+    """One engine: what it takes (see the module's table) and its constructor.
+    ``tokenizer``: its file is an ONNX graph, and a branch names its tokenizer file too."""
 
     name: str
     source: Literal["file", "url"]
@@ -74,14 +84,17 @@ class EngineKind:
     prompt: Literal["rendered", "messages"]
     scores: Literal["logits", "top_logprobs"]
     build: Callable[[BuildContext, BranchArtifact], Engine]
+    tokenizer: bool = False
 
 
-def _llamacpp(ctx: BuildContext, a: BranchArtifact) -> Engine:
-    """A supervised llama.cpp worker: the settings, then the branch's options."""
+def _worker_options(
+    ctx: BuildContext, a: BranchArtifact, backend: Literal["llamacpp", "onnx"] = "llamacpp"
+) -> WorkerOptions:
+    """A local worker's options: the settings, then the branch's own."""
     e = ctx.settings.engine
     o = a.spec.options if a.spec is not None else None
     threads = e.n_threads or (len(ctx.cpus) if ctx.cpus else default_threads(ctx.n_workers))
-    options = WorkerOptions(
+    return WorkerOptions(
         n_ctx=(o.n_ctx if o else None) or e.n_ctx,
         parallel=(o.parallel if o else None) or e.parallel,
         n_threads=(o.n_threads if o else None) or threads,
@@ -94,9 +107,28 @@ def _llamacpp(ctx: BuildContext, a: BranchArtifact) -> Engine:
         prompt_cache=e.prompt_cache,
         cpus=ctx.cpus,
         fault=e.fault_for(ctx.route, a.name) or e.fault_for(a.model, a.name),
+        backend=backend,
     )
+
+
+def _llamacpp(ctx: BuildContext, a: BranchArtifact) -> Engine:
+    """A supervised llama.cpp worker: the settings, then the branch's options."""
     return LlamaCppEngine(
-        f"{ctx.route}:{a.name}", a.path, options, ctx.policy, verified=a.verified()
+        f"{ctx.route}:{a.name}", a.path, _worker_options(ctx, a), ctx.policy, verified=a.verified()
+    )
+
+
+def _onnxruntime(ctx: BuildContext, a: BranchArtifact) -> Engine:
+    """The same supervised worker running the branch's ONNX graph under ONNX Runtime,
+    handed the graph and its tokenizer as verified descriptors."""
+    return LlamaCppEngine(
+        f"{ctx.route}:{a.name}",
+        a.path,
+        _worker_options(ctx, a, "onnx"),
+        ctx.policy,
+        verified=a.verified(),
+        # a branch whose files failed their checks is never started: its paths will do
+        tokenizer=a.verified_tokenizer() or a.tokenizer_path,
     )
 
 
@@ -123,11 +155,15 @@ def _openai(ctx: BuildContext, a: BranchArtifact) -> Engine:
 
 
 _GGUF = frozenset(p for p in Precision if p.spec.gguf)
+_ONNX = frozenset({Precision.F32, Precision.F16, Precision.INT8, Precision.INT4})
 
 ENGINES: Mapping[str, EngineKind] = {
     kind.name: kind
     for kind in (
         EngineKind("llamacpp", "file", _GGUF, "rendered", "logits", _llamacpp),
+        EngineKind(
+            "onnxruntime", "file", _ONNX, "rendered", "logits", _onnxruntime, tokenizer=True
+        ),
         EngineKind("openai", "url", frozenset(Precision), "messages", "top_logprobs", _openai),
     )
 }

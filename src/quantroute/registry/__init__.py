@@ -1,5 +1,6 @@
-"""Model repositories: manifests, artifact verification, signatures, scanning, watching,
-and the verified file a worker is handed (``verified``)."""
+"""Model repositories: manifests, artifact verification (GGUF headers; an ONNX branch's
+graph and tokenizer), signatures, scanning, watching, and the verified file a worker is
+handed (``verified``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from quantroute.registry.branch import (
     EngineOptions,
     EngineRules,
     RemoteOptions,
+    TokenizerFile,
 )
 from quantroute.registry.digests import Digests
 from quantroute.registry.gguf_check import GgufSummary, check_gguf, check_gguf_isolated
@@ -25,6 +27,8 @@ from quantroute.registry.manifest import (
     verify_artifacts,
     write_manifest,
 )
+from quantroute.registry.onnx_check import OnnxSummary, check_onnx
+from quantroute.registry.onnx_pair import check_onnx_isolated, read_onnx_isolated
 from quantroute.registry.repository import ModelEntry, RepositoryScan, scan_model, scan_repository
 from quantroute.registry.signing import SIGNATURE_NAME, TrustPolicy, sign_model, verify_model
 from quantroute.registry.verified import VerifiedFile
@@ -42,8 +46,10 @@ __all__ = [
     "GgufSummary",
     "Manifest",
     "ModelEntry",
+    "OnnxSummary",
     "RemoteOptions",
     "RepositoryScan",
+    "TokenizerFile",
     "TrafficRule",
     "TrustPolicy",
     "VerifiedFile",
@@ -51,9 +57,12 @@ __all__ = [
     "check_artifacts",
     "check_gguf",
     "check_gguf_isolated",
+    "check_onnx",
+    "check_onnx_isolated",
     "check_versions",
     "is_temporary",
     "load_manifest",
+    "read_onnx_isolated",
     "scan_model",
     "scan_repository",
     "sha256_file",

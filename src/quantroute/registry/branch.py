@@ -1,11 +1,16 @@
 """One branch as a manifest declares it (:class:`BranchSpec`): a local GGUF file with its
-sha256, or a remote server's URL with the name it serves, the variable holding its key
-and how to reach it (:class:`RemoteOptions`); a llama.cpp branch's own engine settings
-(:class:`EngineOptions`); a remote's declared fidelity (:class:`DeclaredProfile`).
+sha256; an ONNX decoder's ``model.onnx`` with its sha256 and its tokenizer
+(:class:`TokenizerFile`, a GGUF holding the vocabulary, with its own sha256); or a remote
+server's URL with the name it serves, the variable holding its key and how to reach it
+(:class:`RemoteOptions`); a local branch's own engine settings (:class:`EngineOptions`);
+a remote's declared fidelity (:class:`DeclaredProfile`).
 
-Which engine takes which source and precision is the engine table's to say
-(``engines.table``); the registry sees it as :class:`EngineRules`, passed in the
-validation context (``parse_manifest(engines=...)``).
+A branch with a ``tokenizer`` is an ONNX branch: its ``file`` is an ONNX graph
+(``.onnx``, the layout of ``engines/onnx/layout.py``) and is checked as one
+(``registry.onnx_check``); every other file is checked as GGUF. Which engine takes which
+source, precision and tokenizer is the engine table's to say (``engines.table``); the
+registry sees it as :class:`EngineRules`, passed in the validation context
+(``parse_manifest(engines=...)``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ __all__ = [
     "EngineRules",
     "RemoteOptions",
     "RemoteServer",
+    "TokenizerFile",
 ]
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -34,6 +40,8 @@ _DEVICE = re.compile(r"^(cpu|cuda:[0-9]{1,3}|sim:[0-9]{1,3})$")
 _ENGINE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _REMOTE_MODEL = re.compile(r"^[^\s\x00-\x1f]{1,256}$")
+# ONNX's names for two precisions quantroute writes one way for every engine
+_SPELLED = {"fp16": "f16", "fp32": "f32"}
 
 
 class EngineRules(Protocol):
@@ -46,6 +54,11 @@ class EngineRules(Protocol):
     @property
     def precisions(self) -> frozenset[Precision]: ...
 
+    @property
+    def tokenizer(self) -> bool:
+        """Its file is an ONNX graph that needs a ``tokenizer`` file beside it."""
+        ...
+
 
 class EngineOptions(BaseModel):
     """A branch's own engine settings; unset ones come from ``engine.*``."""
@@ -56,6 +69,33 @@ class EngineOptions(BaseModel):
     parallel: int | None = Field(default=None, ge=1, le=256, description="Decode slots.")
     n_batch: int | None = Field(default=None, ge=1, le=1 << 16, description="Prompt batch size.")
     n_threads: int | None = Field(default=None, ge=1, le=1024, description="Threads of the worker.")
+
+
+def _relative_path(value: str) -> str:
+    path = Path(value)
+    if value and (path.is_absolute() or ".." in path.parts):
+        raise ValueError("file must be a path inside the model folder")
+    return value
+
+
+def _sha256_hex(value: str) -> str:
+    if value and not _SHA256.match(value):
+        raise ValueError("sha256 must be 64 lowercase hex digits")
+    return value
+
+
+class TokenizerFile(BaseModel):
+    """An ONNX branch's vocabulary: a GGUF file holding the tokenizer's metadata (no
+    tensors needed; llama.cpp loads it ``vocab_only``), checked by sha256 and header like
+    a model file before anything reads it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    file: str = Field(min_length=1, description="GGUF file, relative to the model folder.")
+    sha256: str = Field(min_length=1, description="Hex sha256 of the file.")
+
+    _relative = field_validator("file")(_relative_path)
+    _hex = field_validator("sha256")(_sha256_hex)
 
 
 RemoteServer = Literal["auto", "vllm", "sglang", "llama-server", "quantroute", "openai"]
@@ -105,18 +145,24 @@ class DeclaredProfile(BaseModel):
 
 class BranchSpec(BaseModel):
     """One precision of a model, as the manifest declares it: a local GGUF ``file``
-    (with its ``sha256``) run by llama.cpp, or a remote ``url`` (an OpenAI-compatible
-    server: vLLM, SGLang, llama-server, another quantroute) run by ``engine: openai``.
-    Which engine takes which source and precision is ``engines.table``'s to say; the
-    scan checks it (``parse_manifest(engines=...)``)."""
+    (with its ``sha256``) run by llama.cpp; an ONNX graph ``file`` with its ``sha256``
+    and its ``tokenizer`` (``engine: onnxruntime``); or a remote ``url`` (an
+    OpenAI-compatible server: vLLM, SGLang, llama-server, another quantroute) run by
+    ``engine: openai``. Which engine takes which source, precision and tokenizer is
+    ``engines.table``'s to say; the scan checks it (``parse_manifest(engines=...)``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    file: str = Field("", description="GGUF file, relative to the model folder.")
+    file: str = Field(
+        "", description="GGUF file (an ONNX branch: its .onnx graph), relative to the model folder."
+    )
     url: str | None = Field(default=None, description="A remote engine's base URL.")
     precision: Precision
     engine: str = Field(default="llamacpp", description="An entry of the engine table.")
     sha256: str = Field("", description="Hex sha256 of the file; checked before loading.")
+    tokenizer: TokenizerFile | None = Field(
+        default=None, description="An ONNX branch's vocabulary: a GGUF file and its sha256."
+    )
     device: str | None = Field(default=None, description="Device hint: cpu, cuda:N or sim:N.")
     options: EngineOptions = EngineOptions()
     remote_model: str | None = Field(
@@ -129,6 +175,16 @@ class BranchSpec(BaseModel):
     profile: DeclaredProfile | None = Field(
         default=None, description="Declared fidelity, for a remote that returns no logprobs."
     )
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _one_spelling(cls, value: object) -> object:
+        if isinstance(value, str) and value in _SPELLED:
+            raise ValueError(
+                f"precision {value} is written {_SPELLED[value]} (one name per precision, "
+                "whatever the engine)"
+            )
+        return value
 
     @field_validator("engine")
     @classmethod
@@ -154,13 +210,7 @@ class BranchSpec(BaseModel):
             raise ValueError("api_key_env must name an environment variable (never the key)")
         return value
 
-    @field_validator("file")
-    @classmethod
-    def _relative(cls, value: str) -> str:
-        path = Path(value)
-        if value and (path.is_absolute() or ".." in path.parts):
-            raise ValueError("file must be a path inside the model folder")
-        return value
+    _relative = field_validator("file")(_relative_path)
 
     @field_validator("url")
     @classmethod
@@ -169,12 +219,7 @@ class BranchSpec(BaseModel):
             raise ValueError("url must be an http:// or https:// URL with a host")
         return value
 
-    @field_validator("sha256")
-    @classmethod
-    def _hex(cls, value: str) -> str:
-        if value and not _SHA256.match(value):
-            raise ValueError("sha256 must be 64 lowercase hex digits")
-        return value
+    _hex = field_validator("sha256")(_sha256_hex)
 
     @field_validator("device")
     @classmethod
@@ -192,6 +237,8 @@ class BranchSpec(BaseModel):
         remote_only = ("remote_model", "api_key_env", "profile")
         if self.file and any(getattr(self, f) is not None for f in remote_only):
             raise ValueError("remote_model, api_key_env and profile are for url branches")
+        if self.tokenizer is not None and not self.file:
+            raise ValueError("a tokenizer is for a file branch (an ONNX graph)")
         engines: Mapping[str, EngineRules] | None = (info.context or {}).get("engines")
         rules = engines.get(self.engine) if engines is not None else None
         if rules is not None:
@@ -200,6 +247,19 @@ class BranchSpec(BaseModel):
                 raise ValueError(f"engine {self.engine} runs a {rules.source}, not a {source}")
             if self.precision not in rules.precisions:
                 raise ValueError(f"engine {self.engine} does not run precision {self.precision}")
+            if source == "file" and rules.tokenizer and self.tokenizer is None:
+                raise ValueError(
+                    f"engine {self.engine} needs a tokenizer: {{file, sha256}} of a GGUF "
+                    "holding the vocabulary"
+                )
+            if self.tokenizer is not None and not rules.tokenizer:
+                raise ValueError(
+                    f"engine {self.engine} takes no tokenizer (a GGUF file carries its own)"
+                )
         elif engines is None and self.engine == "llamacpp" and self.url is not None:
             raise ValueError("a url branch needs a remote engine (engine: openai)")
+        if self.tokenizer is not None and Path(self.file).suffix != ".onnx":
+            raise ValueError(
+                f"file {self.file}: a branch with a tokenizer is an ONNX graph, named .onnx"
+            )
         return self

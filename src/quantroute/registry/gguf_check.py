@@ -66,13 +66,15 @@ MAX_HEADER_BYTES = 1 << 30  # a header (metadata + tensor table) larger than thi
 CHILD_TIMEOUT_S = 30.0  # wall clock of one isolated check (all its files)
 CHILD_MEMORY_BYTES = 1 << 30  # address space of the checking child
 
-#: Metadata kept whole: ``general.architecture`` and the tokenizer's.
+#: Metadata kept whole: ``general.architecture`` and the tokenizer's (an ONNX branch's
+#: tokenizer file must have a vocabulary: ``registry.onnx_check.check_vocabulary``).
 WANTED_KEYS = frozenset(
     {
         "general.architecture",
         "tokenizer.chat_template",
         "tokenizer.ggml.bos_token_id",
         "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.model",
         "tokenizer.ggml.tokens",
     }
 )

@@ -8,6 +8,12 @@
       f16:    {file: f16.gguf,    precision: f16,    sha256: 9f2c...}
       q8_0:   {file: q8_0.gguf,   precision: q8_0,   sha256: 41d0...}
       q4_k_m: {file: q4_k_m.gguf, precision: q4_k_m, sha256: c7aa...}
+      onnx_int8:                 # an ONNX Runtime branch: the graph and its vocabulary
+        engine: onnxruntime
+        file: onnx_int8/model.onnx
+        precision: int8
+        sha256: 3b1f...
+        tokenizer: {file: onnx_int8/tokenizer.gguf, sha256: 0c9e...}
       fp8:                       # a remote branch: an OpenAI-compatible server
         engine: openai
         url: http://gpu-a:8000/v1    # its OpenAI base URL
@@ -21,8 +27,9 @@
       - {version: v2, percent: 10}
 
 Loading validates the schema (errors name the file, the field and the
-problem); checking verifies every file's sha256 and GGUF header before
-anything runs it. See docs/repository.md.
+problem); checking verifies every file's sha256 and header (GGUF; an ONNX
+branch's graph and tokenizer: ``registry.onnx_check``) before anything runs
+it. See docs/repository.md.
 """
 
 from __future__ import annotations
@@ -47,9 +54,10 @@ from pydantic import (
 from quantroute.errors import ArtifactIntegrityError, ManifestError
 from quantroute.registry.branch import _DEFAULT_REMOTE, EngineRules
 from quantroute.registry.branch import BranchSpec as BranchSpec  # its old home (demo/builder.py)
-from quantroute.registry.digests import Digests, Identity, identity
+from quantroute.registry.digests import Checked, Digests, Identity, identity
 from quantroute.registry.digests import sha256_file as sha256_file  # its old home
 from quantroute.registry.gguf_check import check_gguf
+from quantroute.registry.onnx_pair import PairFound, check_onnx_pair
 from quantroute.registry.verified import VerifiedFile
 from quantroute.types import Precision, versioned_name
 
@@ -162,10 +170,12 @@ def _check_branches(where: str, branches: dict[str, BranchSpec], reference: str)
 @dataclass(frozen=True, slots=True)
 class BranchArtifact:
     """A branch's file. ``problem`` is ``None`` when it exists, matches its declared
-    sha256 and has a sound GGUF header; otherwise it says what is wrong, in words,
-    and the branch is failed (it never starts). ``version`` is ``None`` for a model
-    that declares no versions. A remote branch (``url``) has the model folder as its
-    ``path``, no sha256 and no problem: its engine checks the server."""
+    sha256 and has a sound header (GGUF, or an ONNX graph); otherwise it says what is
+    wrong, in words, and the branch is failed (it never starts). An ONNX branch's
+    ``tokenizer`` is its second file, checked the same way (``None`` for the others, and
+    once either file failed). ``version`` is ``None`` for a model that declares no
+    versions. A remote branch (``url``) has the model folder as its ``path``, no sha256
+    and no problem: its engine checks the server."""
 
     model: str
     name: str
@@ -181,6 +191,8 @@ class BranchArtifact:
     spec: BranchSpec | None = None
     file_id: Identity | None = None  # registry.digests.identity when its sha256 was read
     settled: bool = False  # ... and the file had been still for RACY_S then
+    tokenizer: VerifiedFile | None = None  # an ONNX branch's vocabulary, as checked
+    tokenizer_path: Path | None = None  # ... where it is (checked or not)
 
     @property
     def device(self) -> str | None:
@@ -196,11 +208,17 @@ class BranchArtifact:
         a worker must not load it unchecked (``registry.verified``)."""
         if self.file_id is None:
             return False
-        try:
-            st = self.path.stat()
-        except OSError:
-            return True
-        return identity(st) != self.file_id
+        checked = [(self.path, self.file_id)]
+        if self.tokenizer is not None:
+            checked.append((self.tokenizer.path, self.tokenizer.identity))
+        for path, was in checked:
+            try:
+                st = path.stat()
+            except OSError:
+                return True
+            if identity(st) != was:
+                return True
+        return False
 
     def verified(self) -> VerifiedFile | None:
         """What a worker may load (``registry.verified``); ``None`` for a file that did
@@ -208,6 +226,11 @@ class BranchArtifact:
         if self.problem is not None or self.file_id is None or self.spec is None:
             return None
         return VerifiedFile(self.path, self.spec.file, self.sha256, self.file_id, self.settled)
+
+    def verified_tokenizer(self) -> VerifiedFile | None:
+        """An ONNX branch's tokenizer as a worker may load it (``registry.verified``);
+        ``None`` for other branches and for one whose files did not pass their checks."""
+        return self.tokenizer if self.problem is None and self.file_id is not None else None
 
     @property
     def route(self) -> str:
@@ -299,66 +322,130 @@ def check_artifacts(
 ) -> list[BranchArtifact]:
     """Every branch's file of ``version`` (``None``: the top-level branches), checked:
     exists, resolves inside ``model_dir`` (unless ``follow_links``), matches its sha256
-    (read through ``digests``: see ``registry.digests``), has a sound GGUF header
-    (:func:`~quantroute.registry.gguf_check.check_gguf`; with ``isolated``, in a child
-    process bounded in time and memory). A bad file fails its branch alone
-    (``problem``: in words, naming the file as the manifest does, never with its
-    digest); the reference comes first."""
-    from quantroute.registry.gguf_check import check_gguf_isolated
-
+    (read through ``digests``: see ``registry.digests``), has a sound header — GGUF
+    (:func:`~quantroute.registry.gguf_check.check_gguf`), or for an ONNX branch its
+    graph and tokenizer (:func:`~quantroute.registry.onnx_pair.check_onnx_pair`) —;
+    with ``isolated``, the headers are read in child processes bounded in time and
+    memory. A bad file fails its branch alone (``problem``: in words, naming the file as
+    the manifest does, never with its digest); the reference comes first."""
     reference, branches = manifest.version_spec(version)
     tag = None if not manifest.versions else (version or manifest.version)
     label = versioned_name(manifest.model, tag)
-    folder = model_dir.resolve()
+    files = _Files(model_dir, model_dir.resolve(), digests or Digests(), follow_links)
     artifacts = []
-    headers: list[int] = []  # indices of the artifacts whose headers are to be checked
+    ggufs: list[int] = []  # indices of the artifacts whose GGUF headers are to be checked
+    onnx: list[int] = []  # ... and of ONNX branches (graph and tokenizer)
     for name, spec in branches.items():
         if spec.url is not None:  # nothing on disk to check: its engine probes the server
             artifacts.append(
                 _artifact(manifest, tag, name, spec, model_dir, "", 0, reference, None)
             )
             continue
-        path = (model_dir / spec.file).resolve()
-        problem: str | None = None
-        size, file_id, still = 0, None, False
-        if not follow_links and not path.is_relative_to(folder):
-            problem = (
-                f"{label}:{name}: file {spec.file} leads out of the model folder "
-                "(repository.follow_links is off)"
-            )
-        elif not path.is_file():
-            problem = f"{label}:{name}: file {spec.file} is missing"
-        else:
-            checked = (digests or Digests()).check(path)
-            if checked.identity is None:
-                problem = f"{label}:{name}: {spec.file} changed while it was being checked"
-            elif checked.sha256 != spec.sha256:
-                # never the digest it has: the file may be any readable file (a link)
-                problem = f"{label}:{name}: {spec.file} does not match the manifest's sha256"
-            else:
-                size, file_id, still = checked.identity[2], checked.identity, checked.settled
-                headers.append(len(artifacts))
+        where = f"{label}:{name}:"
+        path, problem, checked = files.read(spec.file, spec.sha256, where)
+        tokenizer, tpath = None, None
+        if spec.tokenizer is not None:
+            t = spec.tokenizer
+            tpath = (model_dir / t.file).resolve()
+            if problem is None:
+                tpath, problem, read = files.read(t.file, t.sha256, where, "tokenizer")
+                if read is not None and read.identity is not None:
+                    tokenizer = VerifiedFile(tpath, t.file, t.sha256, read.identity, read.settled)
         # the declared sha256, whatever the file's is: a failed branch shows no digest of it
-        local = _artifact(manifest, tag, name, spec, path, spec.sha256, size, reference, problem)
-        artifacts.append(replace(local, file_id=file_id, settled=still))
-    if headers:
-        if isolated:
-            limits: dict[str, Any] = {"timeout_s": timeout_s, "memory_bytes": memory_bytes}
-            found = check_gguf_isolated(
-                [artifacts[i].path for i in headers],
-                **{k: v for k, v in limits.items() if v is not None},
+        local = _artifact(manifest, tag, name, spec, path, spec.sha256, 0, reference, problem)
+        local = replace(local, tokenizer_path=tpath)
+        if problem is None and checked is not None and checked.identity is not None:
+            (onnx if spec.tokenizer is not None else ggufs).append(len(artifacts))
+            local = replace(
+                local,
+                size_bytes=checked.identity[2],
+                file_id=checked.identity,
+                settled=checked.settled,
+                tokenizer=tokenizer,
             )
-        else:
-            found = [_check_in_process(artifacts[i].path) for i in headers]
-        for i, refused in zip(headers, found, strict=True):
-            if refused is not None:
-                a = artifacts[i]
-                where = a.spec.file if a.spec is not None else a.path.name
-                artifacts[i] = replace(
-                    a, problem=f"{label}:{a.name}: {where}: {refused}", file_id=None
-                )
+        artifacts.append(local)
+    limits: dict[str, Any] = {"timeout_s": timeout_s, "memory_bytes": memory_bytes}
+    limits = {k: v for k, v in limits.items() if v is not None}
+    refusals = _check_ggufs([artifacts[i].path for i in ggufs], isolated, limits)
+    for i, refused in zip(ggufs, refusals, strict=True):
+        if refused is not None:
+            artifacts[i] = _refused(artifacts[i], label, refused)
+    pairs = [(artifacts[i].path, _tokenizer_path(artifacts[i])) for i in onnx]
+    for i, found in zip(onnx, _check_onnx(pairs, isolated, limits), strict=True):
+        if found.model is not None:
+            artifacts[i] = _refused(artifacts[i], label, found.model)
+        elif found.tokenizer is not None:
+            artifacts[i] = _refused(artifacts[i], label, found.tokenizer, tokenizer=True)
     artifacts.sort(key=lambda a: (not a.is_reference, a.precision.spec.rank, a.name))
     return artifacts
+
+
+@dataclass(frozen=True, slots=True)
+class _Files:
+    """How a model folder's declared files are read (see :func:`check_artifacts`)."""
+
+    model_dir: Path
+    folder: Path  # model_dir resolved
+    digests: Digests
+    follow_links: bool
+
+    def read(
+        self, declared: str, sha256: str, where: str, what: str = "file"
+    ) -> tuple[Path, str | None, Checked | None]:
+        """One declared file: its resolved path, and why it fails its branch (``None``:
+        it lies inside the model folder and matches ``sha256``) or its read digest."""
+        path = (self.model_dir / declared).resolve()
+        name = declared if what == "file" else f"{what} {declared}"
+        if not self.follow_links and not path.is_relative_to(self.folder):
+            why = "leads out of the model folder (repository.follow_links is off)"
+            return path, f"{where} {what} {declared} {why}", None
+        if not path.is_file():
+            return path, f"{where} {what} {declared} is missing", None
+        checked = self.digests.check(path)
+        if checked.identity is None:
+            return path, f"{where} {name} changed while it was being checked", None
+        if checked.sha256 != sha256:
+            # never the digest it has: the file may be any readable file (a link)
+            field = "sha256" if what == "file" else f"{what}.sha256"
+            return path, f"{where} {name} does not match the manifest's {field}", None
+        return path, None, checked
+
+
+def _tokenizer_path(a: BranchArtifact) -> Path | None:
+    return a.tokenizer.path if a.tokenizer is not None else None
+
+
+def _refused(
+    a: BranchArtifact, label: str, reason: str, *, tokenizer: bool = False
+) -> BranchArtifact:
+    """``a`` failed by its header check: ``reason`` names no file, the manifest's name does."""
+    if tokenizer and a.spec is not None and a.spec.tokenizer is not None:
+        where = f"tokenizer {a.spec.tokenizer.file}"
+    else:
+        where = a.spec.file if a.spec is not None else a.path.name
+    return replace(a, problem=f"{label}:{a.name}: {where}: {reason}", file_id=None, tokenizer=None)
+
+
+def _check_ggufs(paths: list[Path], isolated: bool, limits: dict[str, Any]) -> list[str | None]:
+    from quantroute.registry.gguf_check import check_gguf_isolated
+
+    if not paths:
+        return []
+    if isolated:
+        return check_gguf_isolated(paths, **limits)
+    return [_check_in_process(p) for p in paths]
+
+
+def _check_onnx(
+    pairs: list[tuple[Path, Path | None]], isolated: bool, limits: dict[str, Any]
+) -> list[PairFound]:
+    from quantroute.registry.onnx_pair import check_onnx_isolated
+
+    if not pairs:
+        return []
+    if isolated:
+        return check_onnx_isolated(pairs, **limits)
+    return [check_onnx_pair(model, tokenizer) for model, tokenizer in pairs]
 
 
 def _check_in_process(path: Path) -> str | None:

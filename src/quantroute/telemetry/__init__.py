@@ -3,7 +3,8 @@
 Providers (:class:`NvmlProvider`, :class:`SmiProvider`, :class:`CpuProvider`,
 :class:`SimDeviceProvider`) read devices behind one :class:`DeviceProvider`
 protocol; :class:`DevicePoller` publishes immutable :class:`DeviceSnapshot`\\ s;
-the memory model (:func:`estimate_footprint`, :func:`free_for_routing`),
+the memory model (:func:`estimate_footprint`, an ONNX Runtime branch's
+:func:`estimate_onnx_footprint`, :func:`free_for_routing`),
 :class:`HealthTracker` and :func:`place` turn readings into placement
 decisions. See ``docs/telemetry.md`` and ``docs/memory-model.md``.
 """
@@ -27,6 +28,11 @@ from quantroute.telemetry.memory import (
     safety_margin_bytes,
     torch_fragmentation_bytes,
     used_delta,
+)
+from quantroute.telemetry.memory_onnx import (
+    ONNX_WORKER_RUNTIME_BYTES,
+    estimate_onnx_footprint,
+    read_onnx_shape,
 )
 from quantroute.telemetry.nvml import NvmlProvider
 from quantroute.telemetry.occupancy import Occupancy, Placement, PlacementRequest
@@ -64,6 +70,7 @@ from quantroute.telemetry.topology import Link, LinkKind, Topology
 from quantroute.telemetry.units import format_bytes, parse_size
 
 __all__ = [
+    "ONNX_WORKER_RUNTIME_BYTES",
     "WORKER_RUNTIME_BYTES",
     "CgroupMemory",
     "CommandResult",
@@ -95,6 +102,7 @@ __all__ = [
     "Topology",
     "backoff_delay",
     "estimate_footprint",
+    "estimate_onnx_footprint",
     "format_bytes",
     "format_table",
     "free_for_routing",
@@ -118,6 +126,7 @@ __all__ = [
     "read_cgroup_memory",
     "read_model_shape",
     "read_numa_nodes",
+    "read_onnx_shape",
     "safety_margin_bytes",
     "snapshot_to_json",
     "torch_fragmentation_bytes",

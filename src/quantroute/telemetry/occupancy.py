@@ -8,7 +8,9 @@ two branches never count the same free bytes. Then, as workers come and go:
 
 - a branch that becomes ready is **measured** (:meth:`measure`): its worker's
   RSS on the CPU, or its per-process memory from NVML on a GPU, replaces the
-  estimate (the estimate stays where the driver hides the process);
+  estimate (the estimate stays where the driver hides the process); an ONNX
+  Runtime worker's KV cells and step buffers grow after that, so their estimate
+  is added to its RSS (``Placement.grows_bytes``);
 - on a simulated device the branch's bytes are attached while it is loaded
   and detached when it stops, so the device's used memory moves as a real
   one's would; while such a device is over its budget, its out-of-memory flag is set after each
@@ -18,9 +20,12 @@ Devices a branch may use, in order: simulated devices when there are any
 (tests and demos); else CUDA devices when the llama.cpp build can offload
 (``gpu_offload``), fully offloaded (``n_gpu_layers == -1``) or, where no GPU
 holds the whole branch, as many layers as fit on the roomiest one; else the
-host ``cpu``. A branch whose manifest names a device (``device: cuda:1``) is
-placed there or not at all: a device this server does not have, or one without
-room for it, fails the branch with the reason in words, and it is never moved.
+host ``cpu``. An ONNX Runtime branch (its file a ``.onnx`` graph:
+``telemetry.memory_onnx``) is placed on the CPU only: its worker's CUDA
+execution provider is not modelled (memory, layers) yet. A branch whose
+manifest names a device (``device: cuda:1``) is placed there or not at all: a
+device this server does not have, or one without room for it, fails the branch
+with the reason in words, and it is never moved.
 """
 
 from __future__ import annotations
@@ -43,6 +48,13 @@ from quantroute.telemetry.memory import (
     measure_process_rss,
     process_gpu_bytes,
     read_model_shape,
+)
+from quantroute.telemetry.memory_onnx import (
+    ONNX_WORKER_RUNTIME_BYTES,
+    estimate_onnx_footprint,
+    is_onnx,
+    onnx_growth_bytes,
+    read_onnx_shape,
 )
 from quantroute.telemetry.placement import MarginPolicy, place
 from quantroute.telemetry.poller import DevicePoller
@@ -83,6 +95,7 @@ class Placement:
     n_gpu_layers: int = 0  # offloaded layers on a cuda device (-1: all)
     problem: str | None = None
     oom_flag: str = ""  # on a simulated device: its out-of-memory flag file
+    grows_bytes: int = 0  # what its worker allocates after it is ready (ONNX: KV, steps)
 
     @property
     def gpu(self) -> int | None:
@@ -170,6 +183,17 @@ class Occupancy:
         Raises :class:`ConfigError` when the model file can't be read."""
         if path is None:
             return Footprint(0, 0, 0, 0), 0, 0
+        runtime = 0 if kind is DeviceKind.CUDA else WORKER_RUNTIME_BYTES
+        if is_onnx(path):
+            graph = read_onnx_shape(path)
+            footprint = estimate_onnx_footprint(
+                graph,
+                self._n_ctx,
+                n_parallel=self._parallel,
+                n_batch=self._n_batch,
+                runtime_bytes=ONNX_WORKER_RUNTIME_BYTES if runtime else 0,
+            )
+            return footprint, graph.kv_bytes_per_token, graph.n_layer
         shape = read_model_shape(path)
         n_ctx = self._n_ctx or shape.n_ctx_train
         footprint = estimate_footprint(
@@ -178,7 +202,7 @@ class Occupancy:
             n_parallel=self._parallel,
             n_batch=self._n_batch,
             device=DeviceKind.CPU if kind is DeviceKind.SIM else kind,
-            runtime_bytes=WORKER_RUNTIME_BYTES if kind is not DeviceKind.CUDA else 0,
+            runtime_bytes=runtime,
         )
         return footprint, kv_cache_bytes(shape, 1), shape.n_layer
 
@@ -219,10 +243,11 @@ class Occupancy:
         if not devices:  # no reading at all: the host, unaccounted
             return Placement("cpu", Footprint(0, 0, 0, 0))
         problem = "no device"
-        kinds = self._kinds(devices)
+        onnx = request.model_path is not None and is_onnx(request.model_path)
+        kinds = [k for k in self._kinds(devices) if not (onnx and k is DeviceKind.CUDA)]
         if request.device is not None:
             devices = [d for d in devices if d.id == request.device]
-            pinned = self._pinned_kinds(request.device, devices)
+            pinned = self._pinned_kinds(request.device, devices, onnx=onnx)
             if isinstance(pinned, str):
                 log.error("%s: not started: %s", branch_id, pinned)
                 return Placement(None, Footprint(0, 0, 0, 0), problem=pinned)
@@ -247,7 +272,10 @@ class Occupancy:
                     kinds={kind},
                     margin=self._margin,
                 )[0]
-                return Placement(device, footprint, kv_per_token, n_layer, layers)
+                grows = onnx_growth_bytes(footprint) if onnx else 0
+                return Placement(
+                    device, footprint, kv_per_token, n_layer, layers, grows_bytes=grows
+                )
             except InsufficientMemoryError as exc:
                 problem = exc.message
             if kind is DeviceKind.CUDA and self._n_gpu_layers == -1:
@@ -260,13 +288,18 @@ class Occupancy:
         return Placement(None, Footprint(0, 0, 0, 0), problem=problem)
 
     def _pinned_kinds(
-        self, device_id: str, devices: Sequence[DeviceStats]
+        self, device_id: str, devices: Sequence[DeviceStats], *, onnx: bool = False
     ) -> list[DeviceKind] | str:
         """The kind a branch pinned to ``device_id`` is placed as, or why it cannot be."""
         if not devices:
             known = ", ".join(sorted(d.id for d in self._poller.snapshot.devices))
             return f"its manifest's device {device_id} is not one of this server's ({known})"
         kind = devices[0].kind
+        if kind is DeviceKind.CUDA and onnx:
+            return (
+                f"its manifest's device {device_id} is a GPU, and an ONNX Runtime branch "
+                "runs on the CPU here (its CUDA execution provider is not placed yet)"
+            )
         if kind is DeviceKind.CUDA and not (self.gpu_offload and self._n_gpu_layers != 0):
             return (
                 f"its manifest's device {device_id} is a GPU, and this server offloads no "
@@ -356,8 +389,8 @@ class Occupancy:
                 if measured is None:
                     log.info("%s: the driver lists no memory for pid %d", branch_id, pid)
                     return
-            else:
-                measured = measure_process_rss(pid)
+            else:  # what it will hold: RSS now, and what it allocates as its slots fill
+                measured = measure_process_rss(pid) + placement.grows_bytes
         except (ProcessLookupError, OSError) as exc:
             log.warning("%s: footprint not measured: %s", branch_id, exc)
             return

@@ -18,7 +18,8 @@ gets ``EngineError`` (code ``engine_timeout``), and if the worker has sent
 nothing at all for that long it is abandoned too. Commands are written with
 ``drain()``, within the same timeouts.
 
-A worker loads only the bytes that were verified (:mod:`.model_file`:
+A worker loads only the bytes that were verified (:mod:`.model_file`: the model, and an
+ONNX branch's ``tokenizer.gguf``;
 :meth:`LlamaCppEngine.file_moved` finds a rewrite in place). How it is
 started, its argv and allowlisted environment, is :mod:`.options`; every
 message to and from it is :mod:`.wire`; a generation's events are read by
@@ -57,7 +58,7 @@ from quantroute.engines.llamacpp.generation import (
     Item,
     worker_error,
 )
-from quantroute.engines.llamacpp.model_file import ModelFile
+from quantroute.engines.llamacpp.model_file import WorkerFiles
 from quantroute.engines.llamacpp.options import PIPE_LINE_LIMIT_BYTES, WorkerOptions
 from quantroute.engines.supervisor import Launch, RestartPolicy, WorkerSupervisor
 from quantroute.errors import (
@@ -86,7 +87,8 @@ EXIT_GRACE_S = 5.0
 
 
 class LlamaCppEngine:
-    """Runs one GGUF file in a worker process; see :class:`quantroute.engines.Engine`."""
+    """Runs one GGUF file, or an ONNX folder's ``model.onnx`` (``options.backend`` "onnx",
+    with its ``tokenizer``), in a worker process; see :class:`quantroute.engines.Engine`."""
 
     def __init__(
         self,
@@ -97,12 +99,14 @@ class LlamaCppEngine:
         *,
         listener: EngineListener | None = None,
         verified: VerifiedFile | None = None,
+        tokenizer: VerifiedFile | Path | None = None,
     ):
         self.name = name
         self._listener = listener
         self._model_path = model_path
-        # the file as verified (None: a file nothing verified, tests' own; loaded by path)
-        self._file = ModelFile(verified) if verified is not None else None
+        # the files as verified (None: a file nothing verified, tests' own; loaded by path);
+        # an ONNX branch's tokenizer.gguf beside its model.onnx (options.backend "onnx")
+        self._files = WorkerFiles(model_path, verified, tokenizer)
         self._options = options
         self._info: EngineInfo | None = None
         self._ready = False
@@ -120,13 +124,13 @@ class LlamaCppEngine:
         self._cache_stats = PromptCacheStats(enabled=options.prompt_cache)
         self._supervisor = WorkerSupervisor(
             name,
-            options.argv(model_path),
+            self._files.argv(options),
             on_start=self._on_start,
             on_exit=self._on_exit,
             on_failed=self._on_failed,
             policy=policy,
             env=options.env(),
-            prepare=self._prepare if verified is not None else None,
+            prepare=self._prepare if self._files.verified else None,
         )
 
     @property
@@ -182,7 +186,7 @@ class LlamaCppEngine:
         self._options = replace(
             self._options, gpu=offload.gpu, n_gpu_layers=layers, oom_flag=offload.oom_flag
         )
-        self._supervisor.argv = self._options.argv(self._model_path)
+        self._supervisor.argv = self._files.argv(self._options)
         self._supervisor.env = self._options.env()
 
     async def start(self) -> None:
@@ -208,7 +212,7 @@ class LlamaCppEngine:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
-        self._release_file()
+        self._files.release()
         self._fail_all(EngineUnavailableError(f"branch {self.name} is shutting down"))
 
     def file_moved(self) -> str | None:
@@ -216,7 +220,7 @@ class LlamaCppEngine:
         rewritten in place), in words; ``None`` while it holds or no worker runs. A
         reload asks every engine; a branch whose file moved is killed, and its restart
         refuses the file (:meth:`_prepare`)."""
-        return None if self._file is None else self._file.moved()
+        return self._files.moved()
 
     def refuse(self, cause: str) -> None:
         """Kill the running worker because its file is no longer the verified one; the
@@ -227,16 +231,9 @@ class LlamaCppEngine:
     # -- worker lifecycle -----------------------------------------------------
 
     async def _prepare(self) -> Launch:
-        """Before each spawn: open the file and prove it holds the verified bytes (in a
-        thread: it may read the whole file); the worker loads that descriptor."""
-        assert self._file is not None
-        fd = await self._file.open()
-        argv = self._options.argv(Path(f"/proc/self/fd/{fd}"))
-        return Launch(tuple(argv), (fd,))
-
-    def _release_file(self) -> None:
-        if self._file is not None:
-            self._file.release()
+        """Before each spawn: open the files and prove they hold the verified bytes (in a
+        thread: it may read them whole); the worker loads those descriptors."""
+        return await self._files.launch(self._options)
 
     def _check_loaded(self) -> None:
         """The file did not change while the worker loaded it (see ``registry.verified``)."""
@@ -254,6 +251,8 @@ class LlamaCppEngine:
             hello = wire.decode_event(line)
         except wire.DecodeError as exc:
             raise EngineError(f"{self.name}: the worker's first line: {exc}") from exc
+        if isinstance(hello, wire.Error):  # its model could not load: the worker says why
+            raise EngineError(f"{self.name}: {hello.message or hello.code}")
         if not isinstance(hello, wire.Ready):
             raise EngineError(f"{self.name}: worker sent {type(hello).__name__} before Ready")
         self._check_loaded()
@@ -289,7 +288,7 @@ class LlamaCppEngine:
     def _on_exit(self, returncode: int) -> None:
         self._ready = False
         self._accepting = False
-        self._release_file()
+        self._files.release()
         cause = describe_exit(returncode)
         if self._abandoned is not None and returncode == -signal.SIGKILL:
             cause = f"killed by the gateway: {self._abandoned}"

@@ -1,10 +1,12 @@
-"""The model file a llama.cpp worker loads: only the bytes that were verified (gateway
-side; ``registry.verified``).
+"""The files a llama.cpp worker loads: only the bytes that were verified (gateway side;
+``registry.verified``).
 
-Before each spawn the engine opens the file and checks the descriptor against the
-verification (a file that changed is refused: the branch fails, in words); the worker
-loads that descriptor (``/proc/self/fd/N``), and the engine keeps it open while the
-worker lives, to find a rewrite in place (:meth:`ModelFile.moved`).
+A worker loads its model (a GGUF, or an ONNX folder's ``model.onnx``) and, for an ONNX
+branch, the folder's ``tokenizer.gguf`` (:class:`WorkerFiles`). Before each spawn the
+engine opens each verified file and checks the descriptor against the verification (a
+file that changed is refused: the branch fails, in words); the worker loads those
+descriptors (``/proc/self/fd/N``), and the engine keeps them open while the worker
+lives, to find a rewrite in place (:meth:`ModelFile.moved`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from pathlib import Path
 
+from quantroute.engines.llamacpp.options import WorkerOptions
+from quantroute.engines.supervisor import Launch
 from quantroute.registry.verified import VerifiedFile
 
 
@@ -48,6 +53,60 @@ class ModelFile:
         """Why the file the running worker loaded is no longer the verified one (it was
         rewritten in place), in words; ``None`` while it holds or nothing is open."""
         return None if self._fd is None else self._verified.moved(self._fd)
+
+
+class WorkerFiles:
+    """The files one engine's workers load: ``model`` (verified as ``verified``; ``None``:
+    a file nothing verified, tests' own, loaded by its path) and an ONNX branch's
+    ``tokenizer`` (a :class:`VerifiedFile`, or an unverified path; ``None`` for a GGUF)."""
+
+    def __init__(
+        self, model: Path, verified: VerifiedFile | None, tokenizer: VerifiedFile | Path | None
+    ):
+        self._paths = (model, tokenizer.path if isinstance(tokenizer, VerifiedFile) else tokenizer)
+        self._model = ModelFile(verified) if verified is not None else None
+        self._tokenizer = ModelFile(tokenizer) if isinstance(tokenizer, VerifiedFile) else None
+
+    @property
+    def verified(self) -> bool:
+        """Some file is verified: each spawn must :meth:`launch` (open and check) first."""
+        return self._model is not None or self._tokenizer is not None
+
+    def argv(self, options: WorkerOptions) -> list[str]:
+        """The worker's argv with the files by their paths (a spawn with nothing to check)."""
+        return options.argv(*self._paths)
+
+    async def launch(self, options: WorkerOptions) -> Launch:
+        """Before a spawn: open each verified file and prove it holds the verified bytes;
+        the worker loads those descriptors (it inherits them), the others by path."""
+        fds: list[int] = []
+        args: list[Path | None] = list(self._paths)
+        try:
+            for i, file in enumerate((self._model, self._tokenizer)):
+                if file is not None:
+                    fds.append(await file.open())
+                    args[i] = Path(f"/proc/self/fd/{fds[-1]}")
+        except BaseException:
+            self.release()
+            raise
+        model, tokenizer = args
+        assert model is not None
+        return Launch(tuple(options.argv(model, tokenizer)), tuple(fds))
+
+    def release(self) -> None:
+        """Close the descriptors (the worker that loaded them is gone)."""
+        for file in (self._model, self._tokenizer):
+            if file is not None:
+                file.release()
+
+    def moved(self) -> str | None:
+        """Why a file the running worker loaded is no longer the verified one, in words;
+        ``None`` while they hold or nothing is open."""
+        for file in (self._model, self._tokenizer):
+            moved = None if file is None else file.moved()
+            if moved is not None:
+                return moved
+        return None
 
 
 def _close_opened(opening: asyncio.Future[tuple[int, VerifiedFile]]) -> None:

@@ -2,7 +2,8 @@
 environment (gateway side).
 
 The options a branch's manifest and the engine settings give become the worker's
-``argv`` (``python -m quantroute.engines.llamacpp.worker --model ... --parallel N``),
+``argv`` (``python -m quantroute.engines.llamacpp.worker --model ... --parallel N``;
+an ONNX branch adds ``--backend onnx --tokenizer ...``),
 less those only the gateway reads (its timeouts, the GPU, which is the worker's
 environment instead). The environment is the gateway's allowlisted part
 (:func:`~quantroute.engines.environment.worker_env`), with the one GPU the worker may
@@ -15,6 +16,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 from quantroute.engines.environment import worker_env
 
@@ -24,6 +26,7 @@ pipe with this ``limit``); a longer one kills the reader, and the worker is rest
 
 # Read by the gateway only; not passed to the worker.
 _GATEWAY_ONLY = frozenset({"start_timeout_s", "gen_idle_timeout_s", "score_timeout_s", "gpu"})
+_DEFAULTS = {"sampler": "chain", "backend": "llamacpp"}  # passed only when not these
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,9 @@ class WorkerOptions:
     oom_flag: str = ""  # a simulated device's out-of-memory flag file (see Offload)
     prompt_cache: bool = True  # reuse finished sequences' KV prefixes (prompt_cache.py)
     sampler: str = "chain"  # llama.cpp's sampler chain; "numpy" (sampling.py) is a reference
+    # what computes the logits: llama.cpp over a GGUF, or ONNX Runtime over a model.onnx
+    # (with the folder's tokenizer.gguf: argv's tokenizer_path); the rest of the worker is one
+    backend: Literal["llamacpp", "onnx"] = "llamacpp"
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_event_bytes <= PIPE_LINE_LIMIT_BYTES // 2:
@@ -56,10 +62,19 @@ class WorkerOptions:
             )
         if self.gen_idle_timeout_s <= 0 or self.score_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
+        if self.backend not in ("llamacpp", "onnx"):
+            raise ValueError(f"backend must be llamacpp or onnx, not {self.backend!r}")
 
-    def argv(self, model_path: Path) -> list[str]:
+    def argv(self, model_path: Path, tokenizer_path: Path | None = None) -> list[str]:
+        """The worker's command line: ``model_path`` (a GGUF, or an ONNX folder's
+        ``model.onnx``) and, for ``backend="onnx"``, ``tokenizer_path`` (its
+        ``tokenizer.gguf``); either may be a ``/proc/self/fd/N`` the worker inherits."""
+        if self.backend == "onnx" and tokenizer_path is None:
+            raise ValueError("an onnx worker needs a tokenizer_path (the folder's tokenizer.gguf)")
         argv = [sys.executable, "-m", "quantroute.engines.llamacpp.worker"]
         argv += ["--model", str(model_path)]
+        if tokenizer_path is not None:
+            argv += ["--tokenizer", str(tokenizer_path)]
         for key, value in asdict(self).items():
             if key == "cpus":
                 if value:
@@ -70,9 +85,9 @@ class WorkerOptions:
             elif key == "prompt_cache":
                 if not value:
                     argv.append("--no-prompt-cache")
-            elif key == "sampler":
-                if value != "chain":
-                    argv += ["--sampler", value]
+            elif key in ("sampler", "backend"):
+                if value != _DEFAULTS[key]:
+                    argv += [f"--{key}", value]
             elif key not in _GATEWAY_ONLY:
                 argv += [f"--{key.replace('_', '-')}", str(value)]
         return argv

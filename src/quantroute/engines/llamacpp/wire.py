@@ -180,7 +180,8 @@ class _Event(msgspec.Struct, frozen=True, gc=False, omit_defaults=True, tag_fiel
 
 
 class Ready(_Event, tag="ready", frozen=True):
-    """The model is loaded: the worker's first line."""
+    """The model is loaded: the worker's first line (unless it could not load it: then
+    an :class:`Error` with no id saying why, and it exits 1)."""
 
     info: EngineInfo
 

@@ -5,10 +5,16 @@ commands on stdin and writes events on the original stdout, one message a line, 
 :mod:`.wire` defines them (file descriptor 1 is then pointed at stderr, so nothing
 llama.cpp prints can corrupt the protocol). A line that is not a command is answered
 with an ``err`` (code ``bad_command``) for its id, naming the field, and the worker
-goes on.
+goes on. Its first line is ``ready``; a model that cannot load is instead an ``err``
+(no id, code ``engine_error``) saying why, and the worker exits with status 1.
+
+``--backend onnx`` serves an ONNX decoder folder instead of a GGUF: ``--model`` its
+``model.onnx``, ``--tokenizer`` its ``tokenizer.gguf``. Only the forward pass differs
+(``engines/onnx/worker_model.py``); everything below is the same code.
 
 The process is four parts: this module (the argv, the command reader, the loop),
-:mod:`.worker_model` (the loaded model, its context and vocabulary),
+:mod:`.worker_model` (the loaded model, its context and vocabulary: the contract
+``WorkerModel``, met by llama.cpp's ``Model`` and ONNX Runtime's ``OnnxModel``),
 :mod:`.worker_admission` (a command into a sequence, or its refusal),
 :mod:`.worker_batch` (the sequences and the decode step; each one's token picked by
 :mod:`.worker_sequence`), writing through :mod:`.worker_output`.
@@ -72,7 +78,7 @@ from quantroute.engines.llamacpp import wire
 from quantroute.engines.llamacpp.tokenizer import Pending, PromptTokenizer
 from quantroute.engines.llamacpp.worker_admission import Admission, Refused
 from quantroute.engines.llamacpp.worker_batch import Batcher
-from quantroute.engines.llamacpp.worker_model import Model
+from quantroute.engines.llamacpp.worker_model import LoadError, Model, WorkerModel
 from quantroute.engines.llamacpp.worker_output import Outbox
 from quantroute.types import WORKER_FAULTS
 
@@ -112,20 +118,28 @@ Queued = Held | Malformed | wire.Command | _Tokenized | None
 """What the reader thread hands the loop (``None``: stdin closed, shut down)."""
 
 
+def load_model(args: argparse.Namespace) -> WorkerModel:
+    """The model ``--backend`` names: llama.cpp's over a GGUF, or ONNX Runtime's over a
+    ``model.onnx`` with ``--tokenizer``'s vocabulary (imported only then: a llama.cpp
+    worker never loads ONNX Runtime). Raises :class:`LoadError`, in words."""
+    sizes = {"n_ctx": args.n_ctx, "parallel": args.parallel, "n_batch": args.n_batch}
+    sizes |= {"n_threads": args.n_threads, "n_gpu_layers": args.n_gpu_layers}
+    quiet = args.log_level != "debug"
+    if args.backend == "onnx":
+        from quantroute.engines.onnx.worker_model import OnnxModel
+
+        if not args.tokenizer:
+            raise LoadError("an onnx worker needs --tokenizer (the folder's tokenizer.gguf)")
+        return OnnxModel(args.model, args.tokenizer, quiet=quiet, **sizes)
+    return Model(args.model, quiet=quiet, **sizes)
+
+
 class Worker:
     """The worker's loop: commands in, sequences decoded, events out."""
 
     def __init__(self, args: argparse.Namespace, out: IO[bytes]):
         self._fault = args.fault
-        self.model = Model(
-            args.model,
-            n_ctx=args.n_ctx,
-            parallel=args.parallel,
-            n_batch=args.n_batch,
-            n_threads=args.n_threads,
-            n_gpu_layers=args.n_gpu_layers,
-            quiet=args.log_level != "debug",
-        )
+        self.model = load_model(args)
         self.outbox = Outbox(out, args.max_event_bytes)
         self.admission = Admission(self.model, args.sampler)
         self.batcher = Batcher(
@@ -262,6 +276,13 @@ class Worker:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="quantroute llama.cpp worker (internal)")
     parser.add_argument("--model", required=True)
+    parser.add_argument(
+        "--backend",
+        default="llamacpp",
+        choices=("llamacpp", "onnx"),
+        help="llamacpp: --model is a GGUF; onnx: --model is a model.onnx (ONNX Runtime)",
+    )
+    parser.add_argument("--tokenizer", default="", help="onnx: the folder's tokenizer.gguf")
     parser.add_argument("--oom-flag", default="")
     parser.add_argument("--n-ctx", type=int, default=0)
     parser.add_argument("--parallel", type=int, default=4)
@@ -309,7 +330,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr
     if args.fault == "exit-at-load":
         return 3
-    worker = Worker(args, out)
+    try:
+        worker = Worker(args, out)
+    except LoadError as exc:  # the gateway's start reads why, rather than an exit status
+        log.error("worker: %s", exc)
+        out.write(wire.encode(wire.Error("", "engine_error", str(exc))))
+        out.flush()
+        return 1
     worker.outbox.emit(wire.Ready(worker.model.info()))
     worker.flush()
     reader = threading.Thread(target=worker.read_commands, args=(sys.stdin.buffer,), daemon=True)

@@ -25,7 +25,7 @@ from quantroute.engines.llamacpp import wire
 from quantroute.engines.llamacpp.constrained import ClosingOrder, Grammar, GrammarError
 from quantroute.engines.llamacpp.sampler_chain import SamplerChain
 from quantroute.engines.llamacpp.scoring import Comparison, LogitsDump
-from quantroute.engines.llamacpp.worker_model import Model
+from quantroute.engines.llamacpp.worker_model import WorkerModel
 from quantroute.engines.llamacpp.worker_sequence import SCORING, Sequence
 from quantroute.engines.sampling import GREEDY_BELOW, Penalties
 from quantroute.engines.stops import StopMatcher
@@ -50,7 +50,7 @@ class Admission:
     """Builds the sequences of one worker's commands (raises :class:`Refused`, or
     ``ValueError`` for a command no gateway sends)."""
 
-    def __init__(self, model: Model, sampler: str):
+    def __init__(self, model: WorkerModel, sampler: str):
         self._model = model
         self._sampler = sampler  # "chain" (llama.cpp's); "numpy", a reference for tests
         self._closing_order: ClosingOrder | None = None  # made with the first grammar

@@ -24,13 +24,12 @@ import resource
 import signal
 import time
 from collections import deque
-from typing import Any
 
 from quantroute.engines.base import FinishReason
 from quantroute.engines.llamacpp import wire
 from quantroute.engines.llamacpp.prompt_cache import PromptCache
 from quantroute.engines.llamacpp.worker_admission import scoring_failed
-from quantroute.engines.llamacpp.worker_model import Model
+from quantroute.engines.llamacpp.worker_model import Rows, WorkerModel
 from quantroute.engines.llamacpp.worker_output import Outbox
 from quantroute.engines.llamacpp.worker_sequence import Sequence, pick
 
@@ -44,7 +43,7 @@ class Batcher:
     hooks that act at a decode; see :mod:`.worker`."""
 
     def __init__(
-        self, model: Model, outbox: Outbox, *, prompt_cache: bool, fault: str, oom_flag: str
+        self, model: WorkerModel, outbox: Outbox, *, prompt_cache: bool, fault: str, oom_flag: str
     ):
         self._model = model
         self._out = outbox
@@ -169,8 +168,8 @@ class Batcher:
     # -- the decode step ----------------------------------------------------------
 
     def step(self) -> None:
-        """One ``llama_decode`` of every decoding sequence's next token and the prompt
-        slices that fit, then every sequence's next token."""
+        """One decode (``llama_decode``, or the model's own) of every decoding sequence's
+        next token and the prompt slices that fit, then every sequence's next token."""
         if self._oom_flag and os.path.exists(self._oom_flag):
             self._refuse_new_sequences()
         model = self._model
@@ -210,14 +209,11 @@ class Batcher:
             return
         rc = self._decode(n)
         if rc != 0:
-            # 1: no KV slot for the batch; -2: a compute buffer could not be allocated.
-            oom = rc in (1, -2)
+            # 1: no KV room for the batch; -2: a compute buffer could not be allocated.
+            code = "device_out_of_memory" if rc in (1, -2) else "engine_error"
+            words = model.decode_failure(rc)
             for seq in list(self.active.values()):
-                if oom:
-                    words = "out of memory in llama_decode (no room for the batch)"
-                    self.fail(seq, words, "device_out_of_memory")
-                else:
-                    self.fail(seq, f"llama_decode returned {rc}")
+                self.fail(seq, words, code)
             return
         argmax = any(seq.argmax for _, seq in outputs)
         rows = model.rows(len(outputs) + len(scoring)) if argmax else None
@@ -268,7 +264,7 @@ class Batcher:
                 words = "out of memory: no room on the device for the sequence's KV cache"
                 self.fail(seq, words, "device_out_of_memory")
 
-    def _advance(self, seq: Sequence, index: int, rows: tuple[Any, int] | None) -> None:
+    def _advance(self, seq: Sequence, index: int, rows: Rows | None) -> None:
         """Take ``seq``'s next token from its row, send what it adds, and end it at a stop,
         its ``max_tokens``, the context's end or its deadline."""
         model = self._model

@@ -21,7 +21,7 @@ from quantroute.engines.base import SamplingParams
 from quantroute.engines.llamacpp.constrained import Grammar
 from quantroute.engines.llamacpp.sampler_chain import SamplerChain
 from quantroute.engines.llamacpp.scoring import ScoringJob
-from quantroute.engines.llamacpp.worker_model import Model
+from quantroute.engines.llamacpp.worker_model import Rows, WorkerModel
 from quantroute.engines.sampling import (
     Choice,
     Penalties,
@@ -88,7 +88,7 @@ class Sequence:
 
 
 def pick(
-    model: Model, seq: Sequence, index: int, rows: tuple[Any, int] | None
+    model: WorkerModel, seq: Sequence, index: int, rows: Rows | None
 ) -> tuple[int, Choice | None]:
     """``seq``'s next token from batch entry ``index``'s logits, and its logprobs when it
     wants them (``rows``: this step's rows, for an argmax sequence). A negative token:
@@ -97,7 +97,7 @@ def pick(
     if seq.argmax and rows is not None:
         return _argmax(model, seq, index, rows), None
     if seq.chain is not None:
-        token = seq.chain.sample(model.ctx, index)  # the row stays in llama.cpp
+        token = model.sample(seq.chain, index)  # llama.cpp's: the row stays there
         if not seq.wants_choice:
             return token, None
         row = _row(model, seq, index)
@@ -117,7 +117,7 @@ def pick(
     return choice.token, choice
 
 
-def _row(model: Model, seq: Sequence, index: int) -> Any:
+def _row(model: WorkerModel, seq: Sequence, index: int) -> Any:
     """The sequence's row of logits in numpy, biased, penalized and with the
     ``min_tokens`` ban, as its chain sees it: for a grammar, or for logprobs. # [V]"""
     logits = model.row(index)  # [V], a view
@@ -132,7 +132,7 @@ def _row(model: Model, seq: Sequence, index: int) -> Any:
     return logits
 
 
-def _argmax(model: Model, seq: Sequence, index: int, rows: tuple[Any, int]) -> int:
+def _argmax(model: WorkerModel, seq: Sequence, index: int, rows: Rows) -> int:
     """A greedy sequence's token: its biases and ``min_tokens`` ban written into its row
     (llama.cpp's buffer, read by nothing else before the next decode), then the first
     highest logit, as llama.cpp's greedy sampler picks it."""
@@ -141,7 +141,7 @@ def _argmax(model: Model, seq: Sequence, index: int, rows: tuple[Any, int]) -> i
     return greedy_in_place(row, seq.bias_ids, seq.bias_values, model.eog_tokens if banned else None)
 
 
-def _constrained(model: Model, seq: Sequence, logits: Any, index: int) -> tuple[int, Choice]:
+def _constrained(model: WorkerModel, seq: Sequence, logits: Any, index: int) -> tuple[int, Choice]:
     """The next token of a sequence with a grammar: sampled among the tokens the
     grammar allows while the closing path fits in the tokens left after it, else the
     closing path's (``engines/llamacpp/constrained.py``)."""
