@@ -1,7 +1,8 @@
 """The repository commands: ``quantroute validate``, ``quantroute sign``, ``quantroute verify``.
 
-``validate FILE`` checks one GGUF file the way the gateway does before any
-engine opens it (in a child process bounded in time and memory); ``validate
+``validate FILE`` checks one GGUF file, or one ``.onnx`` graph (with the
+``tokenizer.gguf`` beside it, where there is one), the way the gateway does before
+any engine opens it (in a child process bounded in time and memory); ``validate
 REPO`` (a repository or one model folder) also checks the manifests, the
 sha256 of every file and, with a key, the signatures. Exit status 0 when all
 is sound, 1 otherwise.
@@ -12,8 +13,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from quantroute.engines.onnx.layout import TOKENIZER_FILE
 from quantroute.errors import ManifestError
 from quantroute.registry.gguf_check import check_gguf_isolated
+from quantroute.registry.onnx_pair import check_onnx_isolated
 from quantroute.registry.repository import model_dirs, scan_model
 from quantroute.registry.signing import SIGNATURE_NAME, TrustPolicy, sign_model, verify_model
 
@@ -27,10 +30,23 @@ def _trust(args: argparse.Namespace) -> TrustPolicy:
     )
 
 
+def _check_file(path: Path) -> str | None:
+    """Why one model file is refused (``None``: it is sound): a GGUF's header check, or an
+    ONNX graph's with its ``tokenizer.gguf`` (the layout an ONNX branch's folder has)."""
+    if path.suffix != ".onnx":
+        (problem,) = check_gguf_isolated([path])
+        return problem
+    tokenizer = path.with_name(TOKENIZER_FILE)
+    (found,) = check_onnx_isolated([(path, tokenizer if tokenizer.is_file() else None)])
+    if found.model is not None:
+        return found.model
+    return None if found.tokenizer is None else f"{TOKENIZER_FILE}: {found.tokenizer}"
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     path: Path = args.path
     if path.is_file():
-        (problem,) = check_gguf_isolated([path])
+        problem = _check_file(path)
         print(f"{path}: {'ok' if problem is None else problem}")
         return 0 if problem is None else 1
     bad = 0
@@ -84,7 +100,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="check a GGUF file, or a model repository, as the gateway would",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
-    validate.add_argument("path", type=Path, help="a GGUF file, a model folder or a repository")
+    validate.add_argument(
+        "path", type=Path, help="a GGUF or .onnx file, a model folder or a repository"
+    )
     _trust_flags(validate)
     validate.add_argument(
         "--require-signatures", action="store_true", help="an unsigned model is refused"

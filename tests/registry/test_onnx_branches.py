@@ -361,3 +361,18 @@ def test_the_onnx_precisions_have_their_specs_and_routing_costs() -> None:
     assert Precision.Q4_K_M.spec.rank == Precision.INT4.spec.rank  # int4 is q4_k_m's
     assert set(BITS) == set(RANK) == set(Precision)  # every precision has a routing cost
     assert not (set(ENGINES["llamacpp"].precisions) & {Precision.INT8, Precision.INT4})
+
+
+def test_validate_checks_an_onnx_file_with_its_tokenizer(exported: Path, tmp_path: Path) -> None:
+    """``quantroute validate FILE.onnx`` runs the ONNX check (not the GGUF one), with the
+    ``tokenizer.gguf`` beside it."""
+    from quantroute.cli import main
+
+    folder = tmp_path / "onnx_int8"
+    shutil.copytree(exported, folder)
+    assert main(["validate", str(folder / "model.onnx")]) == 0
+    (folder / "tokenizer.gguf").write_bytes(b"GGUF but not really")
+    assert main(["validate", str(folder / "model.onnx")]) == 1
+    data = (folder / "model.onnx").read_bytes()
+    (folder / "model.onnx").write_bytes(data[: len(data) // 2])  # truncated
+    assert main(["validate", str(folder / "model.onnx")]) == 1
