@@ -21,7 +21,10 @@
 #   synth     waits for the synthetic model;
 #   bench     benchmarks/bench_serving.py on it: quantroute, llama-server (the kit's CUDA build)
 #             and the worker ceiling, every layer offloaded, 1, 8 and 32 clients, short rounds
-#             (as many as the time left allows, 1 to 3).
+#             (as many as the time left allows, 1 to 3);
+#   spec      benchmarks/bench_speculative.py on it (issue #35): its f16 alone against the f16
+#             drafted by its own q4_k_m (quantized here), both wholly offloaded, one round of
+#             12 greedy prompts, every output compared with plain's.
 # Without a GPU the GPU-only steps (gpu_check, gpu_tests) run, find none and are recorded
 # "skipped (no GPU)"; doctor and the benchmark run on the CPU.
 #
@@ -37,7 +40,7 @@
 # counted from when the kit's run.sh (this script's parent) started, less QR_RESERVE_S (25)
 # for the summary and the transfers. Output: under $QR_GPU_OUT (at most 8 files come back):
 # gpu_all.log (everything printed), summary.txt, summary.json (every figure), gpu_check.json,
-# bench_serving.json, bench_serving.png. The summary is rewritten after every step, so a call
+# bench_serving.json, bench_serving.png, speculative-DATE.json, bench_speculative.png. The summary is rewritten after every step, so a call
 # cut short still brings back what it measured. Exit 0 when no step failed, else 1.
 set -u -o pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -196,7 +199,14 @@ bench() {
   fi
   return $rc
 }
-export -f info_step gpu_tests wait_synth bench
+spec() {
+  local layers=-1
+  [[ $MODE == cpu ]] && layers=0
+  mkdir -p "$WORK/spec" && ln -sf "$WORK/synth/synthetic-1b/f16.gguf" "$WORK/spec/f16.gguf"
+  "$PY" benchmarks/bench_speculative.py --model synthetic --synthetic-dir "$WORK/spec" \
+    --gpu-layers "$layers" --rounds 1 --out "$OUT" --chart "$OUT/bench_speculative.png"
+}
+export -f info_step gpu_tests wait_synth bench spec
 export WORK MODE PY OUT BEGAN STARTED
 
 step info 45 5 0 bash -c info_step
@@ -214,8 +224,10 @@ SKIP_NO_GPU=1 step gpu_check 60 10 150 "$PY" scripts/gpu_check.py --json "$OUT/g
 step doctor 90 10 130 "$PY" -m quantroute.cli doctor
 SKIP_NO_GPU=1 step gpu_tests 150 30 100 bash -c 'gpu_tests 140'
 step synth 120 5 80 bash -c wait_synth
-BUDGET=$(( $(left) > 420 ? 420 : $(left) ))
-step bench "$BUDGET" 60 0 bash -c "bench $(( BUDGET - 10 ))"
+SPEC_S=120  # the speculative step: quantize (~30 s), 5 workers, 60 generations
+BUDGET=$(( $(left) - SPEC_S > 420 ? 420 : $(left) - SPEC_S ))
+step bench "$BUDGET" 60 "$SPEC_S" bash -c "bench $(( BUDGET - 10 ))"
+step spec "$SPEC_S" 60 0 bash -c spec
 
 echo
 echo "== [$(( $(now) - STARTED ))s] summary ($OUT/summary.txt)"

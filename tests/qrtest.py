@@ -61,11 +61,27 @@ def demo_model_dir() -> Path:
     return DEMO_REPO / "tiny-llama"
 
 
-def demo_repo_copy(root: Path) -> Path:
-    """A model repository holding a copy of the demo model (tests may change it)."""
+def demo_repo_copy(root: Path, *, engine: str | None = None) -> Path:
+    """A model repository holding a copy of the demo model (tests may change it);
+    ``engine``: only its branches run by that engine (``llamacpp``: the three GGUF
+    files, for tests whose subject is one engine's branches, not the mix)."""
     import shutil
 
-    shutil.copytree(demo_model_dir(), root / "repo" / "tiny-llama")
+    import yaml
+
+    dst = root / "repo" / "tiny-llama"
+    shutil.copytree(demo_model_dir(), dst)
+    if engine is not None:
+        manifest = yaml.safe_load((dst / "quantroute.yaml").read_text())
+        for name, spec in list(manifest["branches"].items()):
+            if spec.get("engine", "llamacpp") != engine:
+                del manifest["branches"][name]
+                target = dst / spec["file"]
+                if target.parent == dst:
+                    target.unlink()
+                else:  # an ONNX branch's folder
+                    shutil.rmtree(target.parent)
+        (dst / "quantroute.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
     return root / "repo"
 
 

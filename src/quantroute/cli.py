@@ -155,10 +155,13 @@ def cmd_demo_build(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.model == MODEL_NAME:
+        from quantroute.demo.onnx_export import add_onnx_branches
+        from quantroute.quality import format_table, profile_model
+
         out = args.out or DEMO_REPO / MODEL_NAME
-        manifest = build_demo(
-            out, steps=args.steps, seed=args.seed, progress=True, max_seconds=args.seconds
-        )
+        build_demo(out, steps=args.steps, seed=args.seed, progress=True, max_seconds=args.seconds)
+        manifest = add_onnx_branches(out, progress=True)  # from the f16 file just written
+        log.info("profile:\n%s", format_table(profile_model(out, progress=True)))
         repo = out.parent
     else:
         base = BpeBuildConfig()
@@ -366,12 +369,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo_sub = demo.add_subparsers(dest="demo_command", required=True)
     build = demo_sub.add_parser(
         "build",
-        help="train a demo model and write its GGUF branches",
+        help="train a demo model and write its branches",
         description="Train a demo model on the standard library's sources and write "
         "f16/q8_0/q4_k_m GGUF files and their manifest. tiny-llama (the default) is "
-        "written into the package; stdlib-bpe-llama (32k BPE vocabulary, 8 layers, GQA, "
-        "ChatML; about 80 MB) into a cache keyed by its inputs, reused when present, and "
-        "profiled. Prints the model repository to pass to `quantroute serve --repo`.",
+        "written into the package, with ONNX Runtime branches exported from its f16 "
+        "file (onnx_fp16, onnx_int8, onnx_int4), and profiled; stdlib-bpe-llama (32k BPE "
+        "vocabulary, 8 layers, GQA, ChatML; about 80 MB; GGUF branches only) into a cache "
+        "keyed by its inputs, reused when present, and profiled. Prints the model "
+        "repository to pass to `quantroute serve --repo`.",
     )
     build.add_argument(
         "--model",

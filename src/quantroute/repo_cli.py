@@ -16,6 +16,7 @@ from pathlib import Path
 from quantroute.engines.onnx.layout import TOKENIZER_FILE
 from quantroute.errors import ManifestError
 from quantroute.registry.gguf_check import check_gguf_isolated
+from quantroute.registry.onnx_check import DataFile
 from quantroute.registry.onnx_pair import check_onnx_isolated
 from quantroute.registry.repository import model_dirs, scan_model
 from quantroute.registry.signing import SIGNATURE_NAME, TrustPolicy, sign_model, verify_model
@@ -37,7 +38,9 @@ def _check_file(path: Path) -> str | None:
         (problem,) = check_gguf_isolated([path])
         return problem
     tokenizer = path.with_name(TOKENIZER_FILE)
-    (found,) = check_onnx_isolated([(path, tokenizer if tokenizer.is_file() else None)])
+    beside = path.with_name(path.name + ".data")  # the exporter's external data, if any
+    data = [DataFile(beside.name, beside.stat().st_size) if beside.is_file() else None]
+    (found,) = check_onnx_isolated([(path, tokenizer if tokenizer.is_file() else None)], data=data)
     if found.model is not None:
         return found.model
     return None if found.tokenizer is None else f"{TOKENIZER_FILE}: {found.tokenizer}"

@@ -100,11 +100,14 @@ class Offload:
     """Where an engine runs its model: ``gpu`` is the CUDA device index in NVML's order
     (``None``: the CPU), ``n_gpu_layers`` how many layers go there (-1: all).
     ``oom_flag`` is set on a simulated device: a file that exists while the device is
-    over its budget, so the worker's own allocations fail as a real device's would."""
+    over its budget, so the worker's own allocations fail as a real device's would.
+    ``draft_dropped``: why a reference that speculates starts without its draft
+    (placement found no room for it beside the model); ``None``: it may load it."""
 
     gpu: int | None = None
     n_gpu_layers: int = 0
     oom_flag: str = ""
+    draft_dropped: str | None = None
 
 
 # The ways a llama.cpp worker can be told to fail (``engine.faults``, the worker's

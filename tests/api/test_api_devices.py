@@ -53,7 +53,8 @@ async def test_branches_are_placed_measured_and_accounted(
     body = (await client.get("/v1/devices")).json()
     assert body["provider"] == "sim" and not body["stale"]
     branches = body["branches"]
-    assert set(branches) == {"tiny-llama:f16", "tiny-llama:q8_0", "tiny-llama:q4_k_m"}
+    names = ("f16", "q8_0", "q4_k_m", "onnx_fp16", "onnx_int8", "onnx_int4")
+    assert set(branches) == {f"tiny-llama:{n}" for n in names}  # both engines' workers
     for view in branches.values():
         fp = view["footprint"]
         assert view["device"] in ("sim:0", "sim:1") and view["ready"]
@@ -137,7 +138,7 @@ async def test_workers_are_pinned_to_their_configured_cores(tmp_path: Path) -> N
 
     repo = demo_repo_copy(tmp_path)
     cores = sorted(os.sched_getaffinity(0))
-    plan = [[cores[0]], [cores[-1]], [cores[0]]]
+    plan = [[cores[0]], [cores[-1]], [cores[0]], [cores[-1]], [cores[0]], [cores[-1]]]
     settings = load_settings(
         server={"admin_key": ADMIN_KEY},
         repo=repo,
@@ -147,7 +148,14 @@ async def test_workers_are_pinned_to_their_configured_cores(tmp_path: Path) -> N
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         branches = app.state.gateway.routes.current.branches()
-        assert [b.name for b in branches] == ["f16", "q8_0", "q4_k_m"]
+        assert [(b.name, b.artifact.engine) for b in branches] == [  # most faithful first
+            ("f16", "llamacpp"),
+            ("onnx_fp16", "onnxruntime"),  # ONNX Runtime's workers are pinned alike
+            ("onnx_int8", "onnxruntime"),
+            ("q8_0", "llamacpp"),
+            ("onnx_int4", "onnxruntime"),
+            ("q4_k_m", "llamacpp"),
+        ]
         for branch, cpus in zip(branches, plan, strict=True):
             assert psutil.Process(branch.engine.pid).cpu_affinity() == cpus
 

@@ -74,8 +74,9 @@ async def client(demo_repo: Path) -> AsyncIterator[httpx.AsyncClient]:
 
 async def test_every_branch_answers_and_is_named(client: httpx.AsyncClient) -> None:
     ready = (await client.get("/readyz")).json()
-    assert ready["ready_branches"] == {"tiny-llama": ["f16", "q8_0", "q4_k_m"]}
-    for branch in ("f16", "q8_0", "q4_k_m"):
+    gguf, onnx = ("f16", "q8_0", "q4_k_m"), ("onnx_fp16", "onnx_int8", "onnx_int4")
+    assert sorted(ready["ready_branches"]["tiny-llama"]) == sorted(gguf + onnx)
+    for branch in gguf + onnx:
         r = await client.post(
             "/v1/completions",
             json={
@@ -192,6 +193,13 @@ async def test_models_list_shows_profiles_and_stale_ones(
     assert profiles["f16"]["mean_kld"] == 0.0
     assert 0 < profiles["q8_0"]["mean_kld"] < profiles["q4_k_m"]["mean_kld"]
     assert profiles["q8_0"]["top1"] > profiles["q4_k_m"]["top1"]
+    # The ONNX Runtime branches sit on the same axis, each with its engine named.
+    engines = {b["branch"]: b["engine"] for b in model["branches"]}
+    assert {engines[n] for n in ("f16", "q8_0", "q4_k_m")} == {"llamacpp"}
+    assert {engines[n] for n in ("onnx_fp16", "onnx_int8", "onnx_int4")} == {"onnxruntime"}
+    assert 0 < profiles["onnx_fp16"]["mean_kld"] < 1e-5  # the f16 weights, another engine
+    kld = [profiles[n]["mean_kld"] for n in ("onnx_fp16", "onnx_int8", "onnx_int4")]
+    assert kld == sorted(kld)
     # A branch file that changed since profiling has no profile, and the server says why.
     repo = tmp_path / "repo"
     shutil.copytree(demo_model_dir(), repo / "tiny-llama")

@@ -1,5 +1,6 @@
 """The residency manager on real workers and a simulated device: branches leave
-when memory runs out and come back when it returns, and routing follows."""
+when memory runs out and come back when it returns, and routing follows. (The demo's
+GGUF branches alone: three sizes make each step of the policy one branch to watch.)"""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ MiB = 1 << 20
 async def client(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
     settings = load_settings(
         server={"admin_key": ADMIN_KEY},
-        repo=demo_repo_copy(tmp_path),
+        repo=demo_repo_copy(tmp_path, engine="llamacpp"),
         engine={"parallel": 2, "n_threads": 1},
         # weights x 100, so the precisions differ in size beyond the noise of measured RSS
         telemetry={"devices": "sim:1x8GiB", "poll_interval_s": 0.5, "sim_weight_scale": 100},
@@ -107,7 +108,7 @@ async def test_a_busy_branch_drains_before_it_is_unloaded(
 async def test_scaled_weights_and_out_of_memory_until_residency_acts(tmp_path: Path) -> None:
     settings = load_settings(
         server={"admin_key": ADMIN_KEY},
-        repo=demo_repo_copy(tmp_path),
+        repo=demo_repo_copy(tmp_path, engine="llamacpp"),
         engine={"parallel": 2, "n_threads": 1},
         telemetry={"devices": "sim:1x24GiB", "sim_weight_scale": 2000},
         routing={"residency": False},

@@ -39,14 +39,16 @@ async def _free(client: httpx.AsyncClient, gateway: Any, headroom: int) -> None:
 @pytest.mark.parametrize(
     ("headroom", "quality", "branch"),
     [
+        # both engines' branches on one ladder: ONNX int8 (KLD 3.3e-4) is more faithful
+        # than GGUF q8_0 (3.6e-4), ONNX int4 (1.0e-2) than GGUF q4_k_m (1.4e-2)
         (10 * GiB, None, "f16"),
         (8 * GiB + (64 << 20), None, "f16"),
-        (6 * GiB, None, "q8_0"),
-        (4 * GiB + (64 << 20), None, "q8_0"),
-        (3 * GiB, None, "q4_k_m"),
-        (3 * GiB, "below-q8_0", "f16"),  # only f16 meets the bound: never downgraded
-        (6 * GiB, "high", "q8_0"),
-        (3 * GiB, "high", "q8_0"),  # q4_k_m does not meet "high"
+        (6 * GiB, None, "onnx_int8"),
+        (4 * GiB + (64 << 20), None, "onnx_int8"),
+        (3 * GiB, None, "onnx_int4"),
+        (3 * GiB, "below-q8_0", "f16"),  # only f16 and onnx_fp16 meet it: the reference
+        (6 * GiB, "high", "onnx_int8"),
+        (3 * GiB, "high", "onnx_int8"),  # neither 4-bit branch meets "high"
         (10 * GiB, "fast", "f16"),
     ],
 )
@@ -76,7 +78,10 @@ async def test_quality_header_and_explain(client: tuple[httpx.AsyncClient, Any])
         json={"model": "tiny-llama", "prompt": "x", "max_tokens": 2},
         headers={"x-quantroute-quality": "max_kld=0.001"},
     )
-    assert r.headers["x-quantroute-branch"] == "tiny-llama:q8_0"
+    # ONNX int8 (KLD 3.3e-4, 9.25 bits a weight) and GGUF q8_0 (3.6e-4, 8.5) both meet the
+    # bound: on one quality axis, the more faithful serves, whichever its engine (a level
+    # up the ladder outweighs 9 % more bits)
+    assert r.headers["x-quantroute-branch"] == "tiny-llama:onnx_int8"
     explained = (
         await http.post(
             "/v1/route/explain",
@@ -88,13 +93,23 @@ async def test_quality_header_and_explain(client: tuple[httpx.AsyncClient, Any])
         )
     ).json()
     assert explained["requirement"]["tier"] == "high"
-    assert explained["decision"]["branches"][0] == "tiny-llama:q8_0"
+    assert explained["decision"]["branches"][0] == "tiny-llama:onnx_int8"
     by_branch = {b["branch"]: b for b in explained["branches"]}
-    assert {b["engine"] for b in by_branch.values()} == {"llamacpp"}  # the manifest's engine
-    q4 = by_branch["tiny-llama:q4_k_m"]
-    assert not q4["feasible"]
-    assert any(f["name"] == "quality" and not f["passed"] for f in q4["filters"])
-    assert by_branch["tiny-llama:q8_0"]["regime"] == "tight"
+    engines = {b.split(":")[1]: v["engine"] for b, v in by_branch.items()}  # the manifest's
+    assert engines == {
+        "f16": "llamacpp",
+        "q8_0": "llamacpp",
+        "q4_k_m": "llamacpp",
+        "onnx_fp16": "onnxruntime",
+        "onnx_int8": "onnxruntime",
+        "onnx_int4": "onnxruntime",
+    }
+    for low in ("q4_k_m", "onnx_int4"):  # too far from the reference, whichever engine
+        row = by_branch[f"tiny-llama:{low}"]
+        assert not row["feasible"]
+        assert any(f["name"] == "quality" and not f["passed"] for f in row["filters"])
+    assert by_branch["tiny-llama:onnx_int8"]["regime"] == "tight"
+    assert by_branch["tiny-llama:q8_0"]["feasible"]  # a fallback
     # each branch's place in the decision: the primary 0, its fallbacks 1.., the rest none
     places = {b: i for i, b in enumerate(explained["decision"]["branches"])}
     assert len(places) >= 2, explained["decision"]

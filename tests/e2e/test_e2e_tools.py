@@ -149,7 +149,14 @@ def test_tool_choice_none_and_bad_choices(client: openai.OpenAI) -> None:
 def test_models_retrieve(client: openai.OpenAI) -> None:
     model = client.models.retrieve("tiny-llama")
     assert model.id == "tiny-llama" and model.object == "model"
-    assert {b["precision"] for b in model.model_extra["branches"]} == {"f16", "q8_0", "q4_k_m"}
+    assert {(b["precision"], b["engine"]) for b in model.model_extra["branches"]} == {
+        ("f16", "llamacpp"),
+        ("q8_0", "llamacpp"),
+        ("q4_k_m", "llamacpp"),
+        ("f16", "onnxruntime"),
+        ("int8", "onnxruntime"),
+        ("int4", "onnxruntime"),
+    }
     branch = client.models.retrieve("tiny-llama:q8_0")
     assert branch.id == "tiny-llama:q8_0" and branch.model_extra["parent"] == "tiny-llama"
     with pytest.raises(openai.NotFoundError):

@@ -213,7 +213,11 @@ def test_probe_child_that_dies_is_reported_in_words() -> None:
 def _demo_files() -> dict[Precision, Path]:
     model_dir = DEMO_REPO / "tiny-llama"
     manifest = load_manifest(model_dir)
-    return {s.precision: model_dir / s.file for s in manifest.branches.values()}
+    return {  # the GGUF files (onnx_fp16 is precision f16 too, but a graph)
+        s.precision: model_dir / s.file
+        for s in manifest.branches.values()
+        if s.engine == "llamacpp"
+    }
 
 
 @pytest.mark.parametrize("precision", [Precision.F16, Precision.Q8_0, Precision.Q4_K_M])

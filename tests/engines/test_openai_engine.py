@@ -7,6 +7,7 @@ bounds. Real servers are the e2e tests' (``tests/e2e/test_remote_*.py``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -148,6 +149,27 @@ async def test_without_health_it_probes_the_models_list(
     up.probes.clear()
     await _until(lambda: len(up.probes) >= 2)
     assert "/health" not in up.probes and "/v1/models" in up.probes
+
+
+async def test_stop_ends_the_probe_loop_even_when_a_probe_loses_the_cancellation(
+    up: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python 3.11 may lose a cancellation that lands as an awaited call completes (its
+    ``wait_for``, a library's own scope): the probe then returns as if nothing happened.
+    The loop stops all the same, so ``stop()`` ends instead of waiting forever."""
+    engine = await _started([], up)
+    probing = asyncio.Event()
+
+    async def swallowing_probe() -> bool:
+        probing.set()
+        with contextlib.suppress(asyncio.CancelledError):  # what the race does: it is gone
+            await asyncio.sleep(10)
+        return True
+
+    monkeypatch.setattr(engine, "probe", swallowing_probe)
+    await asyncio.wait_for(probing.wait(), 5)
+    await asyncio.wait_for(engine.stop(), 5)  # before the fix: forever
+    assert not engine.ready
 
 
 async def test_a_failed_probe_takes_it_down_and_a_good_one_back(

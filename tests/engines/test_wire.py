@@ -48,6 +48,7 @@ INFO = EngineInfo(128, 2048, 354, 4, None, "<s>", "</s>", 1 << 20, 4242)
 COMMANDS: list[wire.Command] = [
     wire.Generate("r1", "def ", SamplingParams()),
     wire.Generate("r2", "", EVERY_KNOB, True, (1, 72, 105), {"traceparent": "00-ab-cd-01"}),
+    wire.Generate("r3", "def ", SamplingParams(temperature=0.0), spec=8),
     wire.WriteLogits("l1", "import os", [101, 7], "/dev/shm/x.f32", special=True),
     wire.Score("s1", "import os", [101, 7], wire.Reference("/dev/shm/x.f32", (2, 354))),
     wire.Cancel("r1"),
@@ -57,12 +58,14 @@ COMMANDS: list[wire.Command] = [
 ]
 EVENTS: list[wire.Event] = [
     wire.Ready(INFO),
+    wire.Ready(INFO, "q4_k_m.gguf"),
     wire.Started("r1", 12, 8),
     wire.Tokens([("r1", "def", 101), ("r2", "", 7)]),
     wire.Token("r1", "x", 7, -0.25, "x", ((7, "x", -0.25), (9, "é", -3.0))),
     wire.Token("r1", "x", 7),
     wire.Finished("r1", FinishReason.DEADLINE, 12, 40, "tail", (1, 2, 3)),
     wire.Finished("r2", FinishReason.CANCELLED, 0, 0),
+    wire.Finished("r3", FinishReason.STOP, 5, 9, drafted=30, accepted=24, mean_k=3.75),
     wire.Logits("l1", "/dev/shm/x.f32", (2, 354)),
     wire.Scores("s1", [0.0012, None], [True, False]),
     wire.Error("r1", "context_length_exceeded", "", 9, 300, 128, at_least=True),
@@ -113,6 +116,19 @@ def test_the_lines_are_the_json_the_protocol_documents() -> None:
     assert wire.decode_command(b'{"op":"shutdown"}\n') == wire.Shutdown()
     # a field the reader does not know is ignored: either side may add one first
     assert wire.decode_command(b'{"op":"cancel","id":"r1","later":1}') == wire.Cancel("r1")
+
+
+def test_a_speculated_gen_asks_for_a_bounded_k_and_its_fin_counts_the_drafts() -> None:
+    line = wire.encode(wire.Generate("r1", "def ", SamplingParams(), spec=3))
+    assert b'"spec":3' in line
+    assert b"spec" not in wire.encode(wire.Generate("r1", "def ", SamplingParams()))
+    for bad in (-1, wire.MAX_SPEC + 1):
+        with pytest.raises(wire.DecodeError) as caught:
+            wire.decode_command(line.replace(b'"spec":3', b'"spec":%d' % bad))
+        assert caught.value.where == "generate.spec" and caught.value.id == "r1"
+    fin = wire.Finished("r1", FinishReason.STOP, 5, 9, drafted=30, accepted=24, mean_k=3.75)
+    assert b'"dr":30,"ac":24,"k":3.75' in wire.encode(fin)
+    assert b'"dr"' not in wire.encode(wire.Finished("r1", FinishReason.STOP, 5, 9))
 
 
 def test_an_infinite_divergence_crosses_as_null() -> None:

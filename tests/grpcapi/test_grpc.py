@@ -184,6 +184,24 @@ def test_a_call_s_deadline_and_metadata(
     assert call.headers == {"x-quantroute-user": "first"}  # the first; binary values: none
 
 
+def test_the_draft_is_in_the_metadata_only_where_the_worker_drafted_the_request() -> None:
+    """As over HTTP: ``x-quantroute-draft`` names the reference's draft when the worker's
+    start said it drafts this request (``Run.drafted``), not merely because it could."""
+    from types import SimpleNamespace
+
+    from quantroute.grpcapi.convert import branch_metadata
+
+    branch = SimpleNamespace(
+        id="m:f16", version=None, draft="m:q4_k_m", artifact=SimpleNamespace(sha256="ab" * 32)
+    )
+    job = SimpleNamespace(id="r1", decision=SimpleNamespace(reason="only-feasible"))
+    for drafted in (True, False):
+        run = SimpleNamespace(branch=branch, job=job, drafted=drafted)
+        head = dict(branch_metadata(run))  # type: ignore[arg-type]  # a stand-in run
+        assert head["x-quantroute-branch"] == "m:f16"
+        assert head.get("x-quantroute-draft") == ("m:q4_k_m" if drafted else None)
+
+
 # -- generation on fake engines ---------------------------------------------------------------
 
 

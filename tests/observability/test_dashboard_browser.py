@@ -118,6 +118,9 @@ def test_the_status_page_shows_branches_devices_and_live_numbers() -> None:
         assert not first["error"]
         assert sorted(b for b, _ in first["branches"]) == [
             "tiny-llama:f16",
+            "tiny-llama:onnx_fp16",
+            "tiny-llama:onnx_int4",
+            "tiny-llama:onnx_int8",
             "tiny-llama:q4_k_m",
             "tiny-llama:q8_0",
         ]

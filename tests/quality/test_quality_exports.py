@@ -12,6 +12,6 @@ def test_all_names_resolve_once() -> None:
 
 
 def test_every_public_member_is_exported() -> None:
-    modules = {"drift", "metrics", "plot", "profile", "profiler", "remote"}
+    modules = {"drift", "metrics", "plot", "profile", "profiler", "remote", "runners"}
     public = {n for n in vars(quality) if not n.startswith("_") and n not in modules}
     assert public - {"annotations"} == set(quality.__all__)

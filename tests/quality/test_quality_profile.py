@@ -44,11 +44,18 @@ pytestmark = [
 ]
 
 
-def copy_model(dst: Path, *, with_profile: bool = False) -> Path:
-    """The demo model's manifest and GGUF files (and optionally its profile) under ``dst``."""
+def copy_model(dst: Path) -> Path:
+    """The demo model's GGUF branches under ``dst``: their files, and a manifest listing
+    only them (these tests are llama.cpp's; ``test_profile_onnx`` profiles the ONNX
+    branches, and six branches would cost these runs twice the time)."""
     dst.mkdir(parents=True, exist_ok=True)
-    for name in [MANIFEST_NAME, *(s.file for s in load_manifest(DEMO).branches.values())]:
-        shutil.copy2(DEMO / name, dst / name)
+    manifest = load_manifest(DEMO)
+    ggufs = {n: s for n, s in manifest.branches.items() if s.engine == "llamacpp"}
+    assert list(ggufs) == ["f16", "q8_0", "q4_k_m"]
+    for spec in ggufs.values():
+        assert spec.file is not None
+        shutil.copy2(DEMO / spec.file, dst / spec.file)
+    write_manifest(dst, manifest.model_copy(update={"branches": ggufs}))
     return dst
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import pytest
 import yaml
 
 from llama_servers import LlamaServer, llama_servers
-from qrtest import demo_model_dir
+from qrtest import demo_model_dir, demo_repo_copy
 from quantroute.divergence import kl_divergence, kl_divergence_topk, log_softmax, top_k
 from quantroute.errors import ConfigError
 from quantroute.quality.profile import (
@@ -215,16 +214,15 @@ def test_the_model_name_comes_from_models_when_unnamed() -> None:
 # ---- profile.json and the manifest ------------------------------------------------------------
 
 
-def model_with_remotes(dst: Path, remotes: dict[str, dict[str, Any]]) -> Path:
-    """A copy of the demo model whose manifest adds ``remotes`` (url branches)."""
-    src = demo_model_dir()
-    dst.mkdir(parents=True)
-    manifest = yaml.safe_load((src / MANIFEST_NAME).read_text())
-    for spec in manifest["branches"].values():
-        shutil.copy2(src / spec["file"], dst / spec["file"])
+def model_with_remotes(root: Path, remotes: dict[str, dict[str, Any]]) -> Path:
+    """A copy of the demo model's GGUF branches (the local side these remotes are
+    compared with) under ``root``, its manifest adding ``remotes`` (url branches)."""
+    model_dir = demo_repo_copy(root, engine="llamacpp") / "tiny-llama"
+    (model_dir / PROFILE_NAME).unlink()  # the packaged one: these tests start unprofiled
+    manifest = yaml.safe_load((model_dir / MANIFEST_NAME).read_text())
     manifest["branches"].update(remotes)
-    (dst / MANIFEST_NAME).write_text(yaml.safe_dump(manifest))
-    return dst
+    (model_dir / MANIFEST_NAME).write_text(yaml.safe_dump(manifest))
+    return model_dir
 
 
 def test_a_declared_profile_is_shown_as_declared_never_as_measured(tmp_path: Path) -> None:
@@ -325,7 +323,7 @@ def test_profile_measures_remote_branches_through_their_servers(
             "profile": {"mean_kld": 0.001, "top1": 0.98},
         },
     }
-    model_dir = model_with_remotes(tmp_path / "tiny-llama", remotes)
+    model_dir = model_with_remotes(tmp_path, remotes)
     result = profile_model(
         model_dir, n_ctx=128, max_chunks=3, n_threads=1, decode_tokens=16, progress=False
     )

@@ -16,11 +16,32 @@ DEMO = DEMO_REPO / "tiny-llama"
 def test_packaged_demo_manifest_verifies() -> None:
     manifest = load_manifest(DEMO)
     assert manifest.model == "tiny-llama"
-    assert set(manifest.branches) == {"f16", "q8_0", "q4_k_m"}
+    engines = {name: spec.engine for name, spec in manifest.branches.items()}
+    assert engines == {
+        "f16": "llamacpp",
+        "q8_0": "llamacpp",
+        "q4_k_m": "llamacpp",
+        "onnx_fp16": "onnxruntime",
+        "onnx_int8": "onnxruntime",
+        "onnx_int4": "onnxruntime",
+    }
     artifacts = verify_artifacts(DEMO, manifest)
-    assert [a.name for a in artifacts] == ["f16", "q8_0", "q4_k_m"]
-    assert artifacts[0].is_reference and artifacts[0].precision is Precision.F16
-    assert sum(a.size_bytes for a in artifacts) <= 12 * 1024 * 1024
+    assert {a.name: a.engine for a in artifacts} == engines
+    reference = next(a for a in artifacts if a.is_reference)
+    assert reference.name == "f16" and reference.precision is Precision.F16
+    precisions = {a.name: a.precision for a in artifacts if a.engine == "onnxruntime"}
+    assert precisions == {
+        "onnx_fp16": Precision.F16,
+        "onnx_int8": Precision.INT8,
+        "onnx_int4": Precision.INT4,
+    }
+    for a in artifacts:  # an ONNX branch is a folder: its graph and its tokenizer, both checked
+        onnx = a.engine == "onnxruntime"
+        assert a.path.name == ("model.onnx" if onnx else f"{a.name}.gguf")
+        assert (a.tokenizer is not None) is onnx
+    # the package ships the demo: its GGUF files stay small, the whole folder too
+    assert sum(a.size_bytes for a in artifacts if a.engine == "llamacpp") <= 8 * 1024 * 1024
+    assert sum(f.stat().st_size for f in DEMO.rglob("*") if f.is_file()) <= 16 * 1024 * 1024
 
 
 @pytest.fixture

@@ -160,8 +160,11 @@ def test_a_manifest_that_is_not_a_mapping_is_a_clear_error(model: Path) -> None:
 def test_a_versioned_model_scans_every_version(model: Path) -> None:
     _edit(model, _versioned)
     (entry,) = scan_repository(model.parent).models
-    assert [len(v) for v in entry.versions] == [3, 1]
+    assert [len(v) for v in entry.versions] == [6, 1]
     assert entry.versions[1][0].version == "v2" and entry.versions[0][0].version == "v1"
+    engines = sorted(a.engine for a in entry.versions[0])  # v1: the whole demo, both engines
+    assert engines == ["llamacpp"] * 3 + ["onnxruntime"] * 3
+    assert all(a.problem is None for v in entry.versions for a in v)
 
 
 @pytest.mark.parametrize(

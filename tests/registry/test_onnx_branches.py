@@ -68,8 +68,9 @@ def _branch(model_dir: Path, name: str = "onnx_int8") -> dict[str, Any]:
 
 @pytest.fixture
 def repo(tmp_path: Path, exported: Path) -> Path:
-    """A copy of the demo repository whose model has an ``onnx_int8`` branch."""
-    repo = demo_repo_copy(tmp_path)
+    """A copy of the demo repository's GGUF branches, given an ``onnx_int8`` branch
+    exported here (the packaged ONNX folders left out: this one is the tests' to damage)."""
+    repo = demo_repo_copy(tmp_path, engine="llamacpp")
     model_dir = repo / "tiny-llama"
     shutil.copytree(exported, model_dir / "onnx_int8")
     _edit(repo, lambda b: b.update(onnx_int8=_branch(model_dir)))
@@ -173,7 +174,7 @@ _ONNX = {"engine": "onnxruntime", "file": "onnx_int8/model.onnx", "sha256": _SHA
 def test_a_wrong_onnx_branch_is_a_manifest_error_naming_file_and_field(
     tmp_path: Path, branch: dict[str, Any], problem: str
 ) -> None:
-    repo = demo_repo_copy(tmp_path)
+    repo = demo_repo_copy(tmp_path, engine="llamacpp")
     _edit(repo, lambda b: b.update(onnx_int8=branch))
     with pytest.raises(ManifestError) as caught:
         load_manifest(repo / "tiny-llama", ENGINES)

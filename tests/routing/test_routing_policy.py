@@ -466,6 +466,30 @@ def test_explained_reasons(
     assert all(e.position is None for e in ex)
 
 
+def test_a_speculating_reference_is_credited_with_its_measured_speedup() -> None:
+    """A reference that drafts decodes ``decode_speedup`` times its profile's speed: the
+    deadline filter predicts with it (while the branch has no observed speed) and says
+    so; an exact request that plain decoding would miss meets its deadline drafted."""
+    plain = explain(req("exact", "55"), SHAPE, demo(), S)
+    f16 = next(e for e in plain if e.branch_id == F16)
+    assert next(f for f in f16.filters if f.name == "deadline").passed is False
+    drafted = demo(f16={"decode_speedup": 1.3})
+    ex = explain(req("exact", "55"), SHAPE, drafted, S)
+    deadline = next(
+        f for f in next(e for e in ex if e.branch_id == F16).filters if f.name == "deadline"
+    )
+    # 512 / 28589 s to prefill, 256 / (1.3 * 5570) s to decode: 53.3 ms
+    assert deadline.passed and deadline.reason == (
+        "predicted 53.3 ms (profile, drafting x1.30 speed) <= deadline 55 ms"
+    )
+    assert route(drafted, req("exact", "55")).branch_ids[0] == F16
+    # an observed speed already is drafting's (what requests saw): no second credit
+    observed = demo(f16={"decode_speedup": 1.3, "observed_ttft_ms": 20.0, "observed_tpot_ms": 0.2})
+    ex = explain(req("exact", "55"), SHAPE, observed, S)
+    f16 = next(e for e in ex if e.branch_id == F16)
+    assert "(observed speed)" in next(f for f in f16.filters if f.name == "deadline").reason
+
+
 def test_wait_and_best_effort_decisions_explain_too() -> None:
     wait = choose("tiny-llama", req("exact"), SHAPE, demo(f16={"ready": False}), S)
     assert [e.position for e in wait.explanations] == [None, None, None]

@@ -169,6 +169,10 @@ def test_a_request_rereads_load_and_breakers_at_once_and_the_rest_when_its_stamp
     engines["q8_0"]._info = dataclasses.replace(engines["q8_0"]._info, parallel=2)
     halved = states.read("tiny-llama")  # new engine info, same load: a new record
     assert (halved[1].running, halved[1].queued, halved[1].parallel) == (2, 1, 2)
+    assert halved[0].decode_speedup == 1.0  # a reference drafting: its measured speed-up
+    engines["f16"]._info = dataclasses.replace(engines["f16"]._info, speedup=1.19)
+    drafting = states.read("tiny-llama")
+    assert drafting[0].decode_speedup == 1.19 and drafting[1] is halved[1]
     # a verdict or placement that changes without its version is not reread (the contract)...
     verdicts["tiny-llama:q8_0"] = True
     placements.kv = 2048

@@ -111,6 +111,39 @@ async def test_a_branch_too_big_for_the_gpu_is_offloaded_partly(
     await poller.stop()
 
 
+async def test_a_reference_keeps_its_draft_only_where_both_fit(
+    nvml_kit: SimpleNamespace,
+) -> None:
+    """Speculation is a way of serving the reference within memory: its draft's weights
+    and cells are placed with it where they fit; where only the reference fits, it is
+    placed alone (its worker starts without the draft, and the placement says why),
+    never left unplaced for its draft's sake; a partial offload leaves no room either."""
+    f16, q4 = demo_model_dir() / "f16.gguf", demo_model_dir() / "q4_k_m.gguf"
+    probe, poller = await _occupancy(nvml_kit.Nvml([nvml_kit.Gpu()]))
+    alone, _, _ = probe.estimate(f16, DeviceKind.CUDA)
+    draft, _, _ = probe.estimate(q4, DeviceKind.CUDA)
+    await poller.stop()
+    both = alone.bytes + draft.weights_bytes + draft.kv_bytes
+    request = PlacementRequest("tiny-llama:f16", f16, draft_path=q4)
+    for free, drafted in ((both, True), (both - 1, False), (alone.bytes, False)):
+        gpu = nvml_kit.Gpu(total=free + 1 * GiB, used=1 * GiB)
+        occupancy, poller = await _occupancy(nvml_kit.Nvml([gpu]))
+        occupancy.place_all([request])
+        p = occupancy.placements["tiny-llama:f16"]
+        assert p.device == "cuda:0" and p.n_gpu_layers == -1, free
+        assert (p.draft_dropped is None) is drafted and p.offload.draft_dropped == p.draft_dropped
+        assert p.footprint.bytes == (both if drafted else alone.bytes)
+        if not drafted:
+            assert p.draft_dropped == "its draft q4_k_m.gguf does not fit beside it on cuda:0"
+        await poller.stop()
+    gpu = nvml_kit.Gpu(total=alone.bytes - 1 + 1 * GiB, used=1 * GiB)  # a layer short
+    occupancy, poller = await _occupancy(nvml_kit.Nvml([gpu]))
+    occupancy.place_all([request])
+    p = occupancy.placements["tiny-llama:f16"]
+    assert p.device == "cuda:0" and p.n_gpu_layers > 0 and p.offload.draft_dropped is not None
+    await poller.stop()
+
+
 def test_partial_offload_scales_weights_and_kv_by_layer() -> None:
     from quantroute.telemetry.memory import Footprint
 
@@ -166,7 +199,7 @@ async def test_the_server_places_on_the_gpu_and_routes_by_its_free_memory(
     gpu = nvml_kit.Gpu(total=80 * GiB, used=1 * GiB)
     provider = CompositeProvider([NvmlProvider(nvml_kit.Nvml([gpu])), CpuProvider()])
     settings = load_settings(
-        repo=demo_repo_copy(tmp_path),
+        repo=demo_repo_copy(tmp_path, engine="llamacpp"),  # ONNX stays on the CPU
         engine={"parallel": 2, "n_threads": 1, "n_ctx": 512},
         telemetry={"poll_interval_s": 0.5},
         routing={"residency": False},

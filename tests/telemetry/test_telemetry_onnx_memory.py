@@ -22,6 +22,7 @@ from quantroute.telemetry.memory import measure_process_rss
 from quantroute.telemetry.memory_onnx import (
     ONNX_ARENA_SLACK,
     ONNX_ATTENTION_COPIES,
+    ONNX_FLOAT16_COPIES,
     ONNX_SESSION_BYTES,
     ONNX_WEIGHT_COPIES,
     ONNX_WORKER_RUNTIME_BYTES,
@@ -109,14 +110,14 @@ W = round(ONNX_WEIGHT_COPIES * 10 * MiB)
     ("change", "weights", "phase"),
     [
         # a float16 graph: its float16 weights widened to float32 at load
-        ({"kv_element_bytes": 2}, W + 4 * MiB, 4 * 1024 * 32000),
+        ({"kv_element_bytes": 2}, W + round(ONNX_FLOAT16_COPIES * 4 * MiB), 4 * 1024 * 32000),
         # MatMulNBits: its workspace for the head
         ({"quantized_matmuls": 57}, W, 4 * 1024 * 32000 + 2 * 512 * 32000),
         # logits_to_keep: a prompt's last row alone; every row only for a drift replay's
         # one sequence, at most n_batch (not the padded run of the slots)
         ({"keeps_rows": True}, W, 4 * 512 * 32000),
         # a small vocabulary and a long context: attention is the largest phase
-        ({"n_vocab": 354}, W, 3.5 * 4 * 1024 * 8 * 4096),
+        ({"n_vocab": 354}, W, ONNX_ATTENTION_COPIES * 4 * 1024 * 8 * 4096),
     ],
 )
 def test_the_graphs_kind_decides_its_weights_and_largest_phase(

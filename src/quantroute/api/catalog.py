@@ -15,9 +15,12 @@ import json
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from quantroute.config import Settings
 from quantroute.engines.base import Engine
+from quantroute.engines.llamacpp.draft import Draft, pick_draft
+from quantroute.engines.llamacpp.engine import LlamaCppEngine
 from quantroute.engines.supervisor import RestartPolicy
 from quantroute.engines.table import ENGINES, BuildContext, EngineKind
 from quantroute.engines.table import default_threads as default_threads  # its old home
@@ -29,6 +32,7 @@ from quantroute.registry.signing import TrustPolicy
 from quantroute.routing.table import Branch, ModelRoute
 from quantroute.routing.versions import Rule, VersionSplit
 from quantroute.telemetry import plan_cpu_affinity
+from quantroute.telemetry.occupancy import PlacementRequest
 from quantroute.types import versioned_name
 
 log = logging.getLogger(__name__)
@@ -40,11 +44,20 @@ def local_workers(scan: RepositoryScan) -> int:
     return sum(1 for m in scan.models for v in m.versions for a in v if a.url is None)
 
 
-def fingerprint(a: BranchArtifact) -> str:
+def placement_request(b: Branch) -> PlacementRequest:
+    """What placing ``b`` takes: its file, and the draft a reference's worker holds."""
+    draft = b.engine.draft if isinstance(b.engine, LlamaCppEngine) else None
+    path = draft.path if draft is not None else None
+    return PlacementRequest(b.id, b.engine.model_path, b.artifact.problem, b.artifact.device, path)
+
+
+def fingerprint(a: BranchArtifact, draft: BranchArtifact | None = None) -> str:
     """What decides a branch's engine, hashed: its file, sha256, problem and spec (engine
-    options, device). A reload that finds the same one keeps the engine."""
+    options, device), and the draft a reference speculates with. A reload that finds the
+    same one keeps the engine."""
     spec = a.spec.model_dump(mode="json") if a.spec is not None else {}
-    text = json.dumps([str(a.path), a.sha256, a.problem, a.url, spec], sort_keys=True)
+    held = [str(draft.path), draft.sha256] if draft is not None else []
+    text = json.dumps([str(a.path), a.sha256, a.problem, a.url, spec, *held], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -138,13 +151,17 @@ class Catalog:
             for warning in warnings:
                 log.warning("profile: %s", warning)
             branches = []
+            draft = pick_draft(artifacts) if self._settings.routing.speculation != "off" else None
             for a in artifacts:
-                fp = fingerprints[f"{name}:{a.name}"] = fingerprint(a)
+                held = draft if a.is_reference else None
+                fp = fingerprints[f"{name}:{a.name}"] = fingerprint(a, held)
                 old = keep.get(f"{name}:{a.name}")
                 engine = old[1] if old is not None and old[0] == fp else None
                 if engine is None:
                     pinned = next(cpus, ()) if cpus is not None and a.url is None else ()
                     engine = self.engine(name, a, n_workers, pinned)
+                    if held is not None and isinstance(engine, LlamaCppEngine):
+                        engine.speculate(self._draft(name, held))
                     new = Branch(name, a.name, a.precision, a, engine, profiles[a.name])
                     fresh.append(new)
                     branches.append(new)
@@ -163,6 +180,12 @@ class Catalog:
                 tuple(manifest.version_names()),
             )
         return ModelBuild(manifest.model, tuple(routes), split, fingerprints, tuple(fresh))
+
+    def _draft(self, route: str, a: BranchArtifact) -> Draft:
+        """``a`` as the draft of ``route``'s reference, as the settings ask."""
+        r = self._settings.routing
+        mode: Literal["auto", "always"] = "always" if r.speculation == "always" else "auto"
+        return Draft(f"{route}:{a.name}", a.path, a.verified(), mode, r.speculation_k_max)
 
     def engine(
         self, route: str, a: BranchArtifact, n_workers: int, cpus: tuple[int, ...] = ()

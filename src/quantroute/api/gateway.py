@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from quantroute.api.catalog import Catalog
+from quantroute.api.catalog import Catalog, placement_request
 from quantroute.api.operator import Operator
 from quantroute.api.parts import breakers_from, drift_monitor, find_sim, gpu_offload, table_of
 from quantroute.api.reload import Reloader, ReloadReport, Wiring
@@ -62,7 +62,7 @@ from quantroute.routing.states import BranchStates, RecentRate
 from quantroute.routing.table import Branch, RouteTable, RouteTableRef
 from quantroute.shaping.template_pool import close_default_pool
 from quantroute.telemetry import DevicePoller, DeviceProvider
-from quantroute.telemetry.occupancy import Occupancy, PlacementRequest
+from quantroute.telemetry.occupancy import Occupancy
 from quantroute.telemetry.selection import (
     health_from_settings,
     margin_from_settings,
@@ -241,10 +241,7 @@ class Gateway:
             branch.engine.listen(self)
         if any(d.kind is DeviceKind.CUDA for d in self.poller.snapshot.devices):
             self.occupancy.gpu_offload = await gpu_offload()
-        requests = [
-            PlacementRequest(b.id, b.engine.model_path, b.artifact.problem, b.artifact.device)
-            for b in branches
-        ]
+        requests = [placement_request(b) for b in branches]
         await asyncio.to_thread(self.occupancy.place_all, requests)  # reads GGUF headers
         for branch in branches:
             placement = self.occupancy.get(branch.id)

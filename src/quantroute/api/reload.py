@@ -53,13 +53,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from quantroute.api.catalog import Catalog, ModelBuild, local_workers
+from quantroute.api.catalog import Catalog, ModelBuild, local_workers, placement_request
 from quantroute.api.drain import Drains
 from quantroute.config import RepositorySettings
 from quantroute.engines.llamacpp.engine import LlamaCppEngine
 from quantroute.routing.table import Branch, ModelRoute, RouteTable, RouteTableRef
 from quantroute.routing.versions import VersionSplit
-from quantroute.telemetry.occupancy import Occupancy, PlacementRequest
+from quantroute.telemetry.occupancy import Occupancy
 
 if TYPE_CHECKING:
     from quantroute.registry.repository import RepositoryScan
@@ -329,10 +329,7 @@ class Reloader:
             return builds
         occupancy, wiring = self._occupancy, self._wiring
         before = {b.id: occupancy.get(b.id) for b in fresh}
-        requests = [
-            PlacementRequest(b.id, b.engine.model_path, b.artifact.problem, b.artifact.device)
-            for b in fresh
-        ]
+        requests = [placement_request(b) for b in fresh]
         await asyncio.to_thread(occupancy.place_all, requests)
         for b in fresh:
             placement = occupancy.get(b.id)

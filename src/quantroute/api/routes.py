@@ -65,6 +65,9 @@ def _headers(run: Run) -> dict[str, str]:
     }
     if run.branch.version is not None:
         headers["x-quantroute-version"] = run.branch.version
+    draft = run.branch.draft  # a reference that speculates: the draft it drafts with
+    if draft is not None and run.drafted:  # as its worker said when it started the request
+        headers["x-quantroute-draft"] = draft
     return headers
 
 

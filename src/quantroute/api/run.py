@@ -60,6 +60,7 @@ class Run:
         on_finished: Callable[[Run, list[int]], None] | None = None,
         *,
         cached_tokens: list[int] | None = None,
+        drafted: bool = False,
         pending: list[list[EngineEvent]] | None = None,
         on_done: Callable[[Run, bool | None], None] | None = None,
         opened: float | None = None,
@@ -70,6 +71,7 @@ class Run:
         self.branch = branch
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = cached_tokens or [0] * len(prompt_tokens)  # from prompt caches
+        self.drafted = drafted  # its engine speculates for it (StartEvent.drafted)
         self._streams = streams
         self._pending = pending or [[] for _ in streams]
         self._on_finished = on_finished

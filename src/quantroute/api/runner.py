@@ -169,6 +169,7 @@ class Runner:
         pending: list[list[EngineEvent]] = []
         prompt_tokens: list[int] = []
         cached_tokens: list[int] = []
+        drafted = False
         opened = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
@@ -181,6 +182,7 @@ class Runner:
                     raise EngineError(f"branch {branch.id} skipped its start event")
                 prompt_tokens.append(events[0].prompt_tokens)
                 cached_tokens.append(events[0].cached_tokens)
+                drafted = drafted or events[0].drafted
             job.trace.first_token(sum(cached_tokens[:: job.n]))
         except TimeoutError as exc:
             await close_all(streams)
@@ -219,6 +221,7 @@ class Runner:
             prompt_tokens,
             self._finished,
             cached_tokens=cached_tokens,
+            drafted=drafted,
             pending=pending,
             on_done=done,
             opened=opened,

@@ -148,10 +148,10 @@ class Service:
         route, branch = lookup(self._routes.current, req.model, who, _limited(tenant))
         requirement, shape = self._routing_inputs(req, headers)  # a bad header is a 400 here too
         if branch is not None:
-            return pinned_json(route.name, branch, ready=self._routable(branch))
+            ready = self._routable(branch)
+            return pinned_json(route.name, branch, ready=ready, settings=self._routing)
         states = self._states.read(route.name)
-        engines = {b.id: b.artifact.engine for b in route.branches}
-        return explain_json(route.name, requirement, shape, states, self._routing, engines)
+        return explain_json(route.name, requirement, shape, states, self._routing, route.branches)
 
     async def decide(
         self,

@@ -21,6 +21,7 @@ class Tier(StrEnum):
 
 
 OnInfeasible = Literal["wait", "reject", "best_effort"]
+Speculation = Literal["auto", "always", "off"]
 
 
 class _Frozen(BaseModel):
@@ -260,6 +261,18 @@ class RoutingSettings(_Frozen):
     speeds: SpeedSettings = Field(
         default_factory=lambda: SpeedSettings(),
         description="Observed end-to-end speeds for the deadline filter.",
+    )
+    speculation: Speculation = Field(
+        default="auto",
+        description="Speculative decoding on a model's reference: 'auto' (its worker holds the "
+        "model's cheapest other GGUF branch as a draft and drafts while it pays), 'always' "
+        "(drafts at least one token a step) or 'off' (no draft loaded).",
+    )
+    speculation_k_max: int = Field(
+        default=8,
+        ge=1,
+        le=64,
+        description="Most tokens the draft proposes per step of the reference.",
     )
 
     @model_validator(mode="after")

@@ -48,7 +48,14 @@ from quantroute.engines.onnx.layout import (
     DecoderConfig,
     onnx_precision,
 )
-from quantroute.registry.manifest import sha256_file
+from quantroute.registry.branch import BranchSpec, DeclaredFile, TokenizerFile
+from quantroute.registry.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    load_manifest,
+    sha256_file,
+    write_manifest,
+)
 from quantroute.types import Precision
 
 logger = logging.getLogger(__name__)
@@ -62,6 +69,8 @@ DEMO_ONNX_BRANCHES: dict[str, Precision] = {
 }
 """The ONNX branches ``quantroute demo build`` writes beside the GGUF ones (folder names)."""
 
+_SOURCES = (Precision.F16, Precision.F32)  # GGUF precisions the export reads losslessly
+DATA_SUFFIX = ".data"  # the external data file: model.onnx.data beside model.onnx
 EXTERNAL_DATA_BYTES = 3 << 29  # 1.5 GiB: past it, weights go to model.onnx.data (protobuf caps 2)
 _DIR_MODE = 0o755
 
@@ -145,15 +154,70 @@ def export_onnx(
 
 
 def export_onnx_branches(
-    gguf: Path, out_dir: Path, branches: Mapping[str, Precision] = DEMO_ONNX_BRANCHES
+    gguf: Path,
+    out_dir: Path,
+    branches: Mapping[str, Precision] = DEMO_ONNX_BRANCHES,
+    *,
+    progress: bool = False,
 ) -> dict[str, Path]:
-    """Export ``gguf`` once per branch into ``out_dir/<branch>/``; returns the folders."""
+    """Export ``gguf`` once per branch into ``out_dir/<branch>/``; returns the folders.
+    ``progress``: a bar per folder on stderr."""
+    from tqdm import tqdm
+
     source = GgufSource.read(gguf)
     folders: dict[str, Path] = {}
-    for name, precision in branches.items():
+    for name, precision in tqdm(
+        branches.items(), desc="exporting ONNX", unit="folder", disable=not progress
+    ):
         export_onnx(source, out_dir / name, precision)
         folders[name] = out_dir / name
     return folders
+
+
+def add_onnx_branches(
+    model_dir: Path,
+    *,
+    source: str | None = None,
+    branches: Mapping[str, Precision] = DEMO_ONNX_BRANCHES,
+    progress: bool = False,
+) -> Manifest:
+    """Export the model in ``model_dir`` as ONNX folders and declare them in its manifest.
+
+    ``source`` is the GGUF branch exported (default: the reference, which must be
+    an F16 or F32 file). Each of ``branches`` becomes ``model_dir/<branch>/``,
+    declared ``engine: onnxruntime`` with its graph's and tokenizer's sha256 (and its
+    ``data``, ``model.onnx.data`` with its sha256, where the export put the weights
+    there); a branch of that name already declared is replaced. The folders land first, the
+    manifest last (by rename), so a watcher sees the old model or the whole new
+    one. Returns the manifest written.
+    """
+    manifest = load_manifest(model_dir)
+    name = source or manifest.reference
+    spec = manifest.branches.get(name)
+    if spec is None or spec.engine != "llamacpp" or spec.precision not in _SOURCES:
+        raise ValueError(f"{manifest.model}: the ONNX export reads an F16 or F32 GGUF branch")
+    folders = export_onnx_branches(model_dir / spec.file, model_dir, branches, progress=progress)
+    declared = dict(manifest.branches)
+    for branch, folder in folders.items():
+        data = folder / (MODEL_FILE + DATA_SUFFIX)
+        declared[branch] = BranchSpec(
+            file=f"{branch}/{MODEL_FILE}",
+            precision=onnx_precision(branches[branch]),
+            engine="onnxruntime",
+            sha256=sha256_file(folder / MODEL_FILE),
+            tokenizer=TokenizerFile(
+                file=f"{branch}/{TOKENIZER_FILE}", sha256=sha256_file(folder / TOKENIZER_FILE)
+            ),
+            data=(
+                DeclaredFile(file=f"{branch}/{data.name}", sha256=sha256_file(data))
+                if data.is_file()
+                else None
+            ),
+        )
+    updated = manifest.model_copy(update={"branches": declared})
+    with tempfile.TemporaryDirectory(dir=model_dir, prefix=".manifest-") as staging:
+        os.replace(write_manifest(Path(staging), updated), model_dir / MANIFEST_NAME)
+    return updated
 
 
 def write_vocab_gguf(src: Path, dst: Path) -> None:
@@ -196,7 +260,7 @@ def save_model(model: Any, dst: Path, *, external_data: bool = False) -> None:
             dst,
             save_as_external_data=True,
             all_tensors_to_one_file=True,
-            location=dst.name + ".data",
+            location=dst.name + DATA_SUFFIX,
             size_threshold=1024,
         )
     else:

@@ -107,6 +107,7 @@ class GenerationRequest:
 class StartEvent:
     prompt_tokens: int
     cached_tokens: int = 0  # of them, reused from the engine's prompt cache (not prefilled)
+    drafted: bool = False  # speculated: a draft proposes its tokens, the model verifies them
 
 
 @dataclass(slots=True)
@@ -153,6 +154,13 @@ class FinishEvent:
     # the engine held the sequence at some point because its reader was slow (backpressure):
     # its timing says how fast the client read, not how fast the engine decoded
     held: bool = False
+    # speculative decoding (a reference whose worker holds a draft): the tokens the draft
+    # proposed, how many of them the reference kept, the mean proposed per step, and the
+    # engine's measured decode speed drafting over plain (0: not measured)
+    drafted: int = 0
+    accepted: int = 0
+    mean_k: float = 0.0
+    speedup: float = 0.0
 
 
 EngineEvent = StartEvent | TokenEvent | FinishEvent
@@ -171,6 +179,13 @@ class EngineInfo:
     eos_token: str
     model_bytes: int
     pid: int | None = None
+    # the branch id of the draft the engine speculates with (``None``: it drafts nothing);
+    # set by the gateway from what its worker loaded, never sent by a worker
+    draft: str | None = None
+    # its decode speed drafting over plain decoding's, as its worker measures it (1.0: no
+    # draft, or not measured yet), in steps: routing multiplies the profile's decode speed
+    # by it (``engines/llamacpp/draft.py``'s ``routed_speedup``); set by the gateway
+    speedup: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,6 +129,7 @@ def _onnxruntime(ctx: BuildContext, a: BranchArtifact) -> Engine:
         verified=a.verified(),
         # a branch whose files failed their checks is never started: its paths will do
         tokenizer=a.verified_tokenizer() or a.tokenizer_path,
+        data=a.verified_data() or a.data_path,
     )
 
 

@@ -124,6 +124,8 @@ def branch_metadata(run: Run) -> tuple[tuple[str, str], ...]:
     ]
     if branch.version is not None:
         pairs.append(("x-quantroute-version", branch.version))
+    if branch.draft is not None and run.drafted:  # as over HTTP
+        pairs.append(("x-quantroute-draft", branch.draft))
     return tuple((key, _ascii(value)) for key, value in pairs)
 
 

@@ -15,6 +15,8 @@ metric                                         type       labels
 ``quantroute_worker_restarts_total``           counter    model, branch
 ``quantroute_hot_reloads_total``               counter    outcome
 ``quantroute_prompt_cache_hit_tokens_total``   counter    model, branch
+``quantroute_speculative_drafted_tokens_total``  counter  model, reference, draft
+``quantroute_speculative_accepted_tokens_total`` counter  model, reference, draft
 ``quantroute_gc_pause_seconds``                histogram  generation
 ``quantroute_event_loop_lag_seconds``          histogram  (none)
 ``quantroute_event_loop_lag_max_seconds``      gauge      (none)
@@ -30,6 +32,9 @@ error after its first token. ``branch`` is the branch that answered, ``none``
 when none did. A fallback's ``to`` is ``none`` when no branch was left to try.
 The prompt-cache hit rate of a branch is
 ``rate(quantroute_prompt_cache_hit_tokens_total) / rate(quantroute_prompt_tokens_total)``.
+A reference that speculates (its worker holds a draft branch: ``routing.speculation``)
+counts the tokens its draft proposed and how many of them it kept; the draft's acceptance
+rate is ``rate(..._accepted_tokens_total) / rate(..._drafted_tokens_total)``.
 A garbage collection in the gateway's process stops its event loop, every stream with it:
 ``quantroute_gc_pause_seconds`` times each (``generation`` 2 is a full one). Anything
 else that holds the loop shows in ``quantroute_event_loop_lag_seconds`` (``loop_lag.py``).
@@ -239,6 +244,19 @@ class Instruments:
             "quantroute_prompt_cache_hit_tokens",
             "Prompt tokens served from a reused KV prefix instead of prefilled.",
             ["model", "branch"],
+            registry=r,
+        )
+        spec = ["model", "reference", "draft"]
+        self.drafted_tokens = Counter(
+            "quantroute_speculative_drafted_tokens",
+            "Tokens a reference's draft proposed (speculative decoding).",
+            spec,
+            registry=r,
+        )
+        self.accepted_tokens = Counter(
+            "quantroute_speculative_accepted_tokens",
+            "Tokens a reference's draft proposed that the reference kept.",
+            spec,
             registry=r,
         )
         # the GenAI conventions' names, re-labelled from the families above at scrape time

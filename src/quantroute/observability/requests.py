@@ -60,6 +60,8 @@ class BranchLike(Protocol):
     def precision(self) -> str: ...
     @property
     def profile(self) -> ProfileLike | None: ...
+    @property
+    def draft(self) -> str | None: ...
 
 
 class DecisionLike(Protocol):
@@ -80,6 +82,12 @@ class FinishLike(Protocol):
     def completion_tokens(self) -> int: ...
     @property
     def worker_ns(self) -> tuple[int, ...]: ...
+    @property
+    def drafted(self) -> int: ...
+    @property
+    def accepted(self) -> int: ...
+    @property
+    def mean_k(self) -> float: ...
 
 
 def reason_of(exc: BaseException) -> str:
@@ -243,8 +251,21 @@ class RequestTrace:
             self.prompt_tokens += event.prompt_tokens
         self.completion_tokens += event.completion_tokens
         self.finish_reasons.append(str(event.reason))
+        draft = self.branch.draft if event.drafted and self.branch is not None else None
+        if draft is not None:
+            self._speculated(draft, event)
         if self._gen is not None and len(event.worker_ns) >= 3:
-            self._decode_span(index, event)
+            self._decode_span(index, event, draft)
+
+    def _speculated(self, draft: str, event: FinishLike) -> None:
+        """Count what the branch's draft proposed and what the branch kept of it."""
+        assert self.branch is not None
+        ins, labels = (
+            self._obs.instruments,
+            (self.model, self.branch.name, draft.rpartition(":")[2]),
+        )
+        ins.of(ins.drafted_tokens, *labels).inc(event.drafted)
+        ins.of(ins.accepted_tokens, *labels).inc(event.accepted)
 
     def choice_cut(self, index: int, prompt_tokens: int, completion_tokens: int) -> None:
         """Choice ``index`` ended unfinished (the client left, the engine failed): what it
@@ -375,7 +396,7 @@ class RequestTrace:
         span.end(end_time=now)
         self._mark_ns = now
 
-    def _decode_span(self, index: int, event: FinishLike) -> None:
+    def _decode_span(self, index: int, event: FinishLike, draft: str | None) -> None:
         tracer = self._obs.tracing.tracer
         assert tracer is not None and self._gen is not None
         from opentelemetry.trace import set_span_in_context
@@ -392,6 +413,16 @@ class RequestTrace:
             },
             start_time=slot,
         )
+        if draft is not None:  # speculated: the draft, and how much of it the branch kept
+            span.set_attributes(
+                {
+                    "quantroute.speculative.draft": draft,
+                    "quantroute.speculative.drafted": event.drafted,
+                    "quantroute.speculative.accepted": event.accepted,
+                    "quantroute.speculative.acceptance_rate": event.accepted / event.drafted,
+                    "quantroute.speculative.k": event.mean_k,
+                }
+            )
         span.add_event("quantroute.worker.admitted", timestamp=admitted)
         span.end(end_time=end)
 

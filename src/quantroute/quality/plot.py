@@ -2,9 +2,12 @@
 
 The plot has one point per branch: x is decode tokens/s, y is mean KLD against the
 reference on a log scale (lower is better); the marker's area grows with the
-branch's weights (its file) and the label gives weights and measured resident
-memory. The reference has KLD 0, which a log axis cannot show: it sits at the
-bottom as a downward triangle.
+branch's weights (its file). Each point is labelled with its branch's name (two
+branches may share a precision: ``f16`` in GGUF and ``onnx_fp16`` in ONNX), and the
+legend below the axes gives each branch's precision, KLD, top-1, weights and
+measured resident memory, one line each, so that points close together cannot
+overlap them. The reference has KLD 0, which a log axis cannot show: it sits at the
+bottom as a downward triangle. The table's rows are branches too.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ def _bytes(n: int) -> str:
 def plot_profiles(model: str, profiles: Sequence[BranchProfile], path: Path) -> Path:
     """Draw ``profiles`` into a PNG at ``path`` (matplotlib's Agg canvas, no display)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.collections import PathCollection
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7.0, 4.6), dpi=120)
+    fig = Figure(figsize=(7.0, 4.6 + 0.18 * len(profiles)), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
 
@@ -41,12 +45,12 @@ def plot_profiles(model: str, profiles: Sequence[BranchProfile], path: Path) -> 
     top = max(positive) * 4 if positive else 1e-3
     biggest = max((p.file_bytes for p in profiles), default=1) or 1
     speeds = [p.decode_tps for p in profiles]
-    middle = (min(speeds) + max(speeds)) / 2 if speeds else 0.0
 
     for p in profiles:
         at_floor = not (p.mean_kld > 0 and math.isfinite(p.mean_kld))
         y = floor if at_floor else p.mean_kld
         size = 80 + 900 * p.file_bytes / biggest
+        note = "reference, KLD 0" if p.mean_kld == 0 else f"KLD {p.mean_kld:.2g}"
         ax.scatter(
             [p.decode_tps],
             [y],
@@ -56,17 +60,11 @@ def plot_profiles(model: str, profiles: Sequence[BranchProfile], path: Path) -> 
             edgecolors="black",
             linewidths=0.8,
             zorder=3,
-        )
-        note = "reference, KLD 0" if p.mean_kld == 0 else f"KLD {p.mean_kld:.2g}"
-        left = len(speeds) > 1 and p.decode_tps > middle
-        ax.annotate(
-            f"{p.branch}: {note}, top-1 {100 * p.top1:.1f}%\n"
+            label=f"{p.branch} ({p.precision}): {note}, top-1 {100 * p.top1:.1f}%, "
             f"weights {_bytes(p.file_bytes)}, RSS {_bytes(p.rss_bytes)}",
-            (p.decode_tps, y),
-            xytext=(-14 if left else 14, 10),
-            textcoords="offset points",
-            ha="right" if left else "left",
-            fontsize=8,
+        )
+        ax.annotate(
+            p.branch, (p.decode_tps, y), xytext=(9, 7), textcoords="offset points", fontsize=8
         )
 
     ax.set_yscale("log")
@@ -79,8 +77,15 @@ def plot_profiles(model: str, profiles: Sequence[BranchProfile], path: Path) -> 
     ax.set_ylabel("mean KL divergence vs reference (log)  ↓  better")
     ax.set_title(f"{model}: quality against speed (marker area: weights)")
     ax.grid(True, which="major", alpha=0.3)
+    if profiles:
+        legend = ax.legend(
+            loc="upper left", bbox_to_anchor=(0.0, -0.13), fontsize=7.5, frameon=False
+        )
+        for handle in legend.legend_handles:  # one marker size in the legend, not the weights'
+            if isinstance(handle, PathCollection):
+                handle.set_sizes([40])
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")
     return path
 
 
@@ -109,7 +114,9 @@ def render_table(
     head = (
         f"{model}: reference {m.reference_branch}, n_ctx {m.n_ctx}, {m.n_chunks} chunks, "
         f"{m.n_scored_tokens} scored tokens, calibration {m.calibration_sha256[:12]}, "
-        f"{m.n_threads} threads, {m.llama_cpp_version} ({elapsed_s:.1f} s)"
+        f"{m.n_threads} threads, {m.llama_cpp_version}"
+        + (f", {m.onnxruntime_version}" if m.onnxruntime_version else "")
+        + f" ({elapsed_s:.1f} s)"
     )
     rows = [_COLUMNS]
     for p in profiles:

@@ -8,7 +8,8 @@ Written beside a model's ``quantroute.yaml`` by ``quantroute profile``::
       "reference": {"branch": "f16", "sha256": "9f2c..."},
       "method": {"calibration_sha256": "...", "n_ctx": 256, "n_chunks": 40,
                  "n_scored_tokens": 5080, "reference_branch": "f16",
-                 "tool": "quantroute profile", "llama_cpp_version": "0.3.36", ...},
+                 "tool": "quantroute profile", "llama_cpp_version": "0.3.36",
+                 "onnxruntime_version": null, ...},
       "branches": {
         "41d0...": {"branch": "q8_0", "precision": "q8_0",
                     "quality": {"mean_kld": 0.0007, "kld_p99": 0.006, "top1": 0.975, ...},
@@ -17,6 +18,11 @@ Written beside a model's ``quantroute.yaml`` by ``quantroute profile``::
                     "measured_at": "2026-11-29T18:05:00Z"}
       }
     }
+
+An ONNX Runtime branch (``engine: onnxruntime``) is keyed by its ``model.onnx``'s
+sha256 like a GGUF branch by its file's, and measured the same way (``quality.runners``);
+its ``tokenizer.gguf`` must tokenize as the reference does, which ``quantroute profile``
+checks by vocabulary size.
 
 A profile describes one exact file: when a branch's file changes (its sha256
 no longer matches), its profile is stale and :func:`load_profiles` drops it
@@ -69,7 +75,12 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 @dataclass(frozen=True, slots=True)
 class ProfileMethod:
-    """How a profile was measured: enough to tell whether two profiles compare."""
+    """How a profile was measured: enough to tell whether two profiles compare.
+
+    ``llama_cpp_version`` is always set (the plan is tokenized by llama.cpp);
+    ``onnxruntime_version`` only where ONNX Runtime branches were measured (``None``
+    otherwise, and in files written before it existed).
+    """
 
     calibration_sha256: str
     n_ctx: int
@@ -80,6 +91,7 @@ class ProfileMethod:
     n_threads: int
     decode_tokens: int
     tool: str = TOOL
+    onnxruntime_version: str | None = None
 
 
 class Measure(StrEnum):

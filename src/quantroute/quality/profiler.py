@@ -12,26 +12,30 @@ first. The reference's float32 logits of the scored rows go to a temporary
 ``.npy`` memory map that the other branches read chunk by chunk, so one model
 is loaded at a time, memory stays bounded for any vocabulary, and each
 branch's resident-memory growth and speed are its own, as they would be in
-its serving worker. A crash inside llama.cpp fails the profile, not the caller.
+its serving worker. A crash inside an engine fails the profile, not the caller.
 
-Contexts use llama.cpp's default parameters (flash attention "auto"), as
-llama-perplexity and quantroute's serving worker do, so the logits scored are
-the logits served. Speed is sampled at eight chunks spread over each branch's
-pass: prefill as the chunk evaluated from empty with only its last logits
-requested, decode as greedy single-token steps after a short prompt. The best
-sample is kept, as ``timeit`` does: other load on the machine only ever slows
-a run down, and spreading the samples out keeps a burst of it from spoiling
-them all.
+A branch runs on its engine's runner (``quality.runners``), chosen by the manifest's
+``engine:``: a GGUF file through llama.cpp, with its default context parameters (flash
+attention "auto") as llama-perplexity and quantroute's serving worker use; an ONNX
+Runtime folder (``engine: onnxruntime``) through the serving worker's own ``OnnxModel``.
+Either way the logits scored are the logits served, and quality, memory and speed are
+measured by the same code for both. The plan tokenizes with the reference's vocabulary
+(an ONNX reference's ``tokenizer.gguf``); every branch must have its size.
+
+Speed is sampled at eight chunks spread over each branch's pass: prefill as the
+chunk evaluated from empty with only its last logits requested, decode as greedy
+single-token steps after a short prompt. The best sample is kept, as ``timeit``
+does: other load on the machine only ever slows a run down, and spreading the
+samples out keeps a burst of it from spoiling them all.
 
 A remote branch (a ``url`` in the manifest) is measured after the files, over
 HTTP, on the same chunks: its server's top-k log-probabilities against the
 reference's logits (``quality.remote``; the KLD is then a lower bound). The
-reference must be a file.
+reference must be a local branch.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import multiprocessing
@@ -39,7 +43,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -49,7 +53,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import psutil
 
 from quantroute.errors import ArtifactIntegrityError, ConfigError, EngineError
@@ -68,134 +71,28 @@ from quantroute.quality.profile import (
 from quantroute.quality.profile import ModelProfileResult as ModelProfileResult  # old home
 from quantroute.quality.profile import ProfileResult as ProfileResult
 from quantroute.quality.profile import find_model_dirs as find_model_dirs
+from quantroute.quality.runners import (
+    ONNX_ENGINE,
+    LlamaRunner,
+    Runner,
+    TokenArray,
+    onnxruntime_version,
+    open_runner,
+)
 from quantroute.registry.manifest import BranchArtifact, check_artifacts, load_manifest
 
 logger = logging.getLogger(__name__)
+_LlamaRunner = LlamaRunner  # its old name and home (tests/demo import it from here)
 
 DEFAULT_N_CTX = 512  # llama-perplexity's default; capped at the model's training context
 DEFAULT_DECODE_TOKENS = 128
 DEFAULT_TOP_K = 20  # a remote branch's listed tokens per position (quality.remote)
 SPEED_SAMPLES = 8  # speed measurements per branch, spread over its pass
-TokenArray = npt.NDArray[np.int32]
 
 
 def default_calibration_text() -> str:
     """The packaged calibration text: ~80 KB of held-out Python source (see its header)."""
     return (resources.files("quantroute.quality") / "data" / "calibration.txt").read_text("utf-8")
-
-
-# ---- llama.cpp, through llama-cpp-python's low-level bindings ---------------------------------
-
-
-class _LlamaRunner:
-    """One GGUF file loaded for scoring, with exact control of which logits are computed.
-
-    ``vocab_only`` loads the tokenizer and metadata without weights or context.
-    Not thread-safe; close it (or use ``with``) to free the model.
-    """
-
-    def __init__(
-        self, path: Path, *, n_ctx: int = 0, n_threads: int = 1, vocab_only: bool = False
-    ) -> None:
-        import llama_cpp
-
-        self._lib: Any = llama_cpp
-        log = logging.getLogger("llama-cpp-python")
-        if log.level == logging.NOTSET:  # its stderr printer is on unless told otherwise
-            log.setLevel(logging.ERROR)
-        llama_cpp.llama_backend_init()
-        mparams = llama_cpp.llama_model_default_params()
-        mparams.vocab_only = vocab_only
-        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
-        if not self._model:
-            raise ConfigError(f"llama.cpp could not load {path}")
-        self._ctx: Any = None
-        self._batch: Any = None
-        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
-        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
-        self.bos = int(llama_cpp.llama_vocab_bos(self._vocab))
-        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
-        self.n_ctx = n_ctx
-        if vocab_only:
-            return
-        try:
-            params = llama_cpp.llama_context_default_params()
-            params.n_ctx = params.n_batch = params.n_ubatch = n_ctx
-            params.n_seq_max = 1
-            params.n_threads = params.n_threads_batch = n_threads
-            params.no_perf = True
-            self._ctx = llama_cpp.llama_init_from_model(self._model, params)
-            if not self._ctx:
-                raise ConfigError(f"llama.cpp could not create a {n_ctx}-token context")
-            self._batch = llama_cpp.llama_batch_init(n_ctx, 0, 1)
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        lib = self._lib
-        if self._batch is not None:
-            lib.llama_batch_free(self._batch)
-            self._batch = None
-        if self._ctx:
-            lib.llama_free(self._ctx)
-            self._ctx = None
-        if self._model:
-            lib.llama_model_free(self._model)
-            self._model = None
-
-    def __enter__(self) -> _LlamaRunner:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def meta(self, key: str) -> str | None:
-        """A GGUF metadata value as text, or ``None`` if the file lacks it."""
-        buf = ctypes.create_string_buffer(256)
-        n = self._lib.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace") if n >= 0 else None
-
-    def n_ctx_train(self) -> int:
-        value = self.meta(f"{self.meta('general.architecture')}.context_length")
-        return int(value) if value and value.isdigit() else 0
-
-    def tokenize(self, text: str) -> TokenArray:
-        """Tokens of ``text``, BOS first if the model adds one, as ``common_tokenize(.., true)``."""
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        buf = (self._lib.llama_token * cap)()
-        n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, cap, True, False)
-        if n < 0:
-            raise ConfigError(f"tokenizing the calibration text needs {-n} tokens, over {cap}")
-        return np.ctypeslib.as_array(buf)[:n].astype(np.int32)  # [N]
-
-    def clear(self) -> None:
-        self._lib.llama_memory_clear(self._lib.llama_get_memory(self._ctx), True)
-
-    def decode(
-        self, tokens: Sequence[int], *, pos0: int, rows: tuple[int, int]
-    ) -> npt.NDArray[np.float32]:
-        """Evaluate ``tokens`` at positions ``pos0..``; return logits of batch rows ``[lo, hi)``.
-
-        Only those rows' logits are computed, as llama-perplexity requests them: ``[hi-lo, V]``.
-        """
-        lo, hi = rows
-        n = len(tokens)
-        b = self._batch
-        b.n_tokens = n
-        for i, tok in enumerate(tokens):
-            b.token[i] = int(tok)
-            b.pos[i] = pos0 + i
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = 0
-            b.logits[i] = 1 if lo <= i < hi else 0
-        ret = self._lib.llama_decode(self._ctx, b)
-        if ret != 0:
-            raise EngineError(f"llama_decode returned {ret} for {n} tokens at position {pos0}")
-        ptr = ctypes.cast(self._lib.llama_get_logits(self._ctx), ctypes.POINTER(ctypes.c_float))
-        out: npt.NDArray[np.float32] = np.ctypeslib.as_array(ptr, shape=(hi - lo, self.n_vocab))
-        return out.copy()  # [hi-lo, V]; llama.cpp reuses its buffer on the next decode
 
 
 # ---- the calibration plan ------------------------------------------------------------------------
@@ -218,7 +115,7 @@ class _Plan:
         return self.n_ctx - 1 - self.first
 
 
-def _plan(vocab: _LlamaRunner, text: str, n_ctx: int, max_chunks: int | None) -> _Plan:
+def _plan(vocab: LlamaRunner, text: str, n_ctx: int, max_chunks: int | None) -> _Plan:
     tokens = vocab.tokenize(text)  # [N]
     if len(tokens) < 2 * n_ctx:
         raise ConfigError(
@@ -255,7 +152,11 @@ def _decode_lengths(n_ctx: int, decode_tokens: int) -> tuple[int, int]:
 
 @dataclass(frozen=True, slots=True)
 class _Job:
+    name: str  # the branch's file as the manifest names it (an ONNX one: folder/model.onnx)
     path: Path
+    engine: str  # the manifest's engine: which runner loads it (quality.runners)
+    tokenizer: Path | None  # an ONNX branch's tokenizer.gguf
+    data: Path | None  # ... and its graph's external data file, if any
     is_reference: bool
     plan: _Plan
     cache_path: Path  # the reference's logits, [n_chunks, n_scored, V] float32
@@ -286,10 +187,18 @@ def _measure(job: _Job, tick: Callable[[], None]) -> _Measured:
     prefill_s: list[float] = []
     decode_s: list[float] = []
     rss_before = _rss()
-    with _LlamaRunner(job.path, n_ctx=plan.n_ctx, n_threads=job.n_threads) as llm:
+    runner = open_runner(
+        job.engine,
+        job.path,
+        job.tokenizer,
+        n_ctx=plan.n_ctx,
+        n_threads=job.n_threads,
+        data=job.data,
+    )
+    with runner as llm:
         if llm.n_vocab != plan.n_vocab:
             raise ConfigError(
-                f"{job.path.name} has {llm.n_vocab} tokens; the reference has {plan.n_vocab}"
+                f"{job.name} has {llm.n_vocab} tokens; the reference has {plan.n_vocab}"
             )
         cache = np.load(job.cache_path, mmap_mode="r+" if job.is_reference else "r")
         acc = KldAccumulator()
@@ -318,7 +227,7 @@ def _measure(job: _Job, tick: Callable[[], None]) -> _Measured:
     )
 
 
-def _time_prefill(llm: _LlamaRunner, tokens: list[int]) -> float:
+def _time_prefill(llm: Runner, tokens: list[int]) -> float:
     """Seconds to evaluate ``tokens`` from an empty cache, only the last logits requested."""
     llm.clear()
     t0 = time.perf_counter()
@@ -326,7 +235,7 @@ def _time_prefill(llm: _LlamaRunner, tokens: list[int]) -> float:
     return time.perf_counter() - t0
 
 
-def _time_decode(llm: _LlamaRunner, prompt: list[int], n_gen: int) -> float:
+def _time_decode(llm: Runner, prompt: list[int], n_gen: int) -> float:
     """Seconds for ``n_gen`` greedy single-token steps after ``prompt``."""
     llm.clear()
     logits = llm.decode(prompt, pos0=0, rows=(len(prompt) - 1, len(prompt)))  # [1, V]
@@ -353,7 +262,7 @@ def _child_main(job: _Job, conn: Connection) -> None:
 def _measure_in_child(job: _Job, advance: Callable[[], None]) -> _Measured:
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child_main, args=(job, sender), name=f"profile-{job.path.name}")
+    proc = ctx.Process(target=_child_main, args=(job, sender), name=f"profile-{job.name}")
     proc.start()
     sender.close()
     result: _Measured | None = None
@@ -378,7 +287,7 @@ def _measure_in_child(job: _Job, advance: Callable[[], None]) -> _Measured:
             proc.join()
     if result is None:
         reason = error or f"its process exited with code {proc.exitcode}"
-        raise EngineError(f"profiling {job.path.name} failed: {reason}")
+        raise EngineError(f"profiling {job.name} failed: {reason}")
     return result
 
 
@@ -430,11 +339,14 @@ def profile_model(
         raise ArtifactIntegrityError(problem)
     reference = artifacts[0]
     if reference.url is not None:
-        raise ConfigError(f"{manifest.model}: profiling needs the reference's logits: a file")
+        raise ConfigError(
+            f"{manifest.model}: profiling needs the reference's logits: a local branch"
+        )
     threads = n_threads or len(os.sched_getaffinity(0))
     text = default_calibration_text() if text is None else text
 
-    with _LlamaRunner(reference.path, vocab_only=True) as vocab:
+    vocab_file = reference.tokenizer_path if reference.engine == ONNX_ENGINE else None
+    with LlamaRunner(vocab_file or reference.path, vocab_only=True) as vocab:
         n_ctx_train = vocab.n_ctx_train()
         ctx_len = n_ctx or min(DEFAULT_N_CTX, n_ctx_train or DEFAULT_N_CTX)
         if n_ctx_train and ctx_len > n_ctx_train:
@@ -456,7 +368,11 @@ def profile_model(
                 if bar is not None:
                     bar.set_postfix_str(art.name)
                 job = _Job(
+                    name=art.spec.file if art.spec is not None else art.path.name,
                     path=art.path,
+                    engine=art.engine,
+                    tokenizer=art.tokenizer_path,
+                    data=art.data_path,
                     is_reference=art is reference,
                     plan=plan,
                     cache_path=cache_path,
@@ -490,6 +406,9 @@ def profile_model(
         llama_cpp_version=f"llama-cpp-python {llama_cpp.__version__}",
         n_threads=threads,
         decode_tokens=_decode_lengths(plan.n_ctx, decode_tokens)[1],
+        onnxruntime_version=(
+            onnxruntime_version() if any(a.engine == ONNX_ENGINE for a in local) else None
+        ),
     )
     profiles = tuple(
         BranchProfile(
@@ -545,7 +464,8 @@ def profile_repo(
     - ``text``: calibration text; default the packaged held-out Python source.
     - ``n_ctx``: chunk length; default ``min(512, the model's training context)``.
     - ``max_chunks``: score at most this many chunks; default all the text gives.
-    - ``n_threads``: CPU threads for llama.cpp; default every CPU this process may use.
+    - ``n_threads``: CPU threads for llama.cpp and ONNX Runtime; default every CPU this
+      process may use.
     - ``decode_tokens``: greedy tokens timed for decode speed (fewer if ``n_ctx`` is short).
     - ``progress``: a tqdm bar on stderr; ``plot``: write ``profile.png`` beside the profile.
     - ``top_k``: tokens to ask a remote branch (``url``) for per position (quality.remote);

@@ -7,7 +7,10 @@ a remote's declared fidelity (:class:`DeclaredProfile`).
 
 A branch with a ``tokenizer`` is an ONNX branch: its ``file`` is an ONNX graph
 (``.onnx``, the layout of ``engines/onnx/layout.py``) and is checked as one
-(``registry.onnx_check``); every other file is checked as GGUF. Which engine takes which
+(``registry.onnx_check``); every other file is checked as GGUF. An ONNX graph whose
+weights lie in a file beside it (ONNX external data, ``model.onnx.data``: any graph past
+2 GiB) declares that file as its ``data``, a :class:`DeclaredFile` in the graph's folder,
+checked by sha256 like the others; the graph must name exactly that file. Which engine takes which
 source, precision and tokenizer is the engine table's to say (``engines.table``); the
 registry sees it as :class:`EngineRules`, passed in the validation context
 (``parse_manifest(engines=...)``).
@@ -26,6 +29,7 @@ from quantroute.types import Precision
 
 __all__ = [
     "BranchSpec",
+    "DeclaredFile",
     "DeclaredProfile",
     "EngineOptions",
     "EngineRules",
@@ -84,10 +88,11 @@ def _sha256_hex(value: str) -> str:
     return value
 
 
-class TokenizerFile(BaseModel):
-    """An ONNX branch's vocabulary: a GGUF file holding the tokenizer's metadata (no
-    tensors needed; llama.cpp loads it ``vocab_only``), checked by sha256 and header like
-    a model file before anything reads it."""
+class DeclaredFile(BaseModel):
+    """A further file of an ONNX branch, checked by sha256 before anything reads it: its
+    vocabulary (``tokenizer``: a GGUF holding the tokenizer's metadata, no tensors needed;
+    llama.cpp loads it ``vocab_only``; its header is checked too) or its graph's external
+    weights (``data``: ``model.onnx.data``, the bytes the graph's tensors point into)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -96,6 +101,9 @@ class TokenizerFile(BaseModel):
 
     _relative = field_validator("file")(_relative_path)
     _hex = field_validator("sha256")(_sha256_hex)
+
+
+TokenizerFile = DeclaredFile  # its first use's name (demo/onnx_export.py, tests)
 
 
 RemoteServer = Literal["auto", "vllm", "sglang", "llama-server", "quantroute", "openai"]
@@ -160,8 +168,12 @@ class BranchSpec(BaseModel):
     precision: Precision
     engine: str = Field(default="llamacpp", description="An entry of the engine table.")
     sha256: str = Field("", description="Hex sha256 of the file; checked before loading.")
-    tokenizer: TokenizerFile | None = Field(
+    tokenizer: DeclaredFile | None = Field(
         default=None, description="An ONNX branch's vocabulary: a GGUF file and its sha256."
+    )
+    data: DeclaredFile | None = Field(
+        default=None,
+        description="An ONNX graph's external weights (model.onnx.data) and their sha256.",
     )
     device: str | None = Field(default=None, description="Device hint: cpu, cuda:N or sim:N.")
     options: EngineOptions = EngineOptions()
@@ -262,4 +274,14 @@ class BranchSpec(BaseModel):
             raise ValueError(
                 f"file {self.file}: a branch with a tokenizer is an ONNX graph, named .onnx"
             )
+        if self.data is not None:
+            if self.tokenizer is None:
+                raise ValueError("data (external weights) is for an ONNX branch's graph")
+            if Path(self.data.file).parent != Path(self.file).parent:
+                raise ValueError(
+                    f"data {self.data.file} must lie beside its graph {self.file} (ONNX "
+                    "external data is named relative to the graph's folder)"
+                )
+            if self.data.file in (self.file, self.tokenizer.file):
+                raise ValueError(f"data {self.data.file} is another file than the graph's")
         return self

@@ -14,6 +14,7 @@
         precision: int8
         sha256: 3b1f...
         tokenizer: {file: onnx_int8/tokenizer.gguf, sha256: 0c9e...}
+        # data: {file: onnx_int8/model.onnx.data, sha256: ...}  # weights beside the graph
       fp8:                       # a remote branch: an OpenAI-compatible server
         engine: openai
         url: http://gpu-a:8000/v1    # its OpenAI base URL
@@ -28,8 +29,8 @@
 
 Loading validates the schema (errors name the file, the field and the
 problem); checking verifies every file's sha256 and header (GGUF; an ONNX
-branch's graph and tokenizer: ``registry.onnx_check``) before anything runs
-it. See docs/repository.md.
+branch's graph and tokenizer: ``registry.onnx_check``; its external data file, by
+sha256, and the graph's tensors against it) before anything runs it. See docs/repository.md.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from quantroute.registry.branch import BranchSpec as BranchSpec  # its old home 
 from quantroute.registry.digests import Checked, Digests, Identity, identity
 from quantroute.registry.digests import sha256_file as sha256_file  # its old home
 from quantroute.registry.gguf_check import check_gguf
+from quantroute.registry.onnx_check import DataFile
 from quantroute.registry.onnx_pair import PairFound, check_onnx_pair
 from quantroute.registry.verified import VerifiedFile
 from quantroute.types import Precision, versioned_name
@@ -172,8 +174,9 @@ class BranchArtifact:
     """A branch's file. ``problem`` is ``None`` when it exists, matches its declared
     sha256 and has a sound header (GGUF, or an ONNX graph); otherwise it says what is
     wrong, in words, and the branch is failed (it never starts). An ONNX branch's
-    ``tokenizer`` is its second file, checked the same way (``None`` for the others, and
-    once either file failed). ``version`` is ``None`` for a model that declares no
+    ``tokenizer`` is its second file, checked the same way, and ``data`` its graph's
+    external weights where it declares them (``None`` for the others, and once any of
+    its files failed). ``version`` is ``None`` for a model that declares no
     versions. A remote branch (``url``) has the model folder as its ``path``, no sha256
     and no problem: its engine checks the server."""
 
@@ -193,6 +196,8 @@ class BranchArtifact:
     settled: bool = False  # ... and the file had been still for RACY_S then
     tokenizer: VerifiedFile | None = None  # an ONNX branch's vocabulary, as checked
     tokenizer_path: Path | None = None  # ... where it is (checked or not)
+    data: VerifiedFile | None = None  # an ONNX graph's external data file, as checked
+    data_path: Path | None = None  # ... where it is (checked or not)
 
     @property
     def device(self) -> str | None:
@@ -209,8 +214,9 @@ class BranchArtifact:
         if self.file_id is None:
             return False
         checked = [(self.path, self.file_id)]
-        if self.tokenizer is not None:
-            checked.append((self.tokenizer.path, self.tokenizer.identity))
+        for extra in (self.tokenizer, self.data):
+            if extra is not None:
+                checked.append((extra.path, extra.identity))
         for path, was in checked:
             try:
                 st = path.stat()
@@ -231,6 +237,21 @@ class BranchArtifact:
         """An ONNX branch's tokenizer as a worker may load it (``registry.verified``);
         ``None`` for other branches and for one whose files did not pass their checks."""
         return self.tokenizer if self.problem is None and self.file_id is not None else None
+
+    def verified_data(self) -> VerifiedFile | None:
+        """An ONNX graph's external data file as a worker may load it
+        (``registry.verified``); ``None`` for a branch that declares none and for one
+        whose files did not pass their checks."""
+        return self.data if self.problem is None and self.file_id is not None else None
+
+    def data_file(self) -> DataFile | None:
+        """The declared external data file as the graph check takes it (its name beside
+        the graph, its verified size): what ``registry.onnx_check`` checks the graph's
+        external tensors against; ``None`` without a verified one."""
+        data = self.verified_data()
+        if data is None or self.spec is None or self.spec.data is None:
+            return None
+        return DataFile(Path(self.spec.data.file).name, data.identity[2])
 
     @property
     def route(self) -> str:
@@ -343,17 +364,23 @@ def check_artifacts(
             continue
         where = f"{label}:{name}:"
         path, problem, checked = files.read(spec.file, spec.sha256, where)
-        tokenizer, tpath = None, None
-        if spec.tokenizer is not None:
-            t = spec.tokenizer
-            tpath = (model_dir / t.file).resolve()
+        more: dict[str, tuple[VerifiedFile | None, Path | None]] = {}
+        for what, declared in (("tokenizer", spec.tokenizer), ("data", spec.data)):
+            if declared is None:
+                continue
+            verified, fpath = None, (model_dir / declared.file).resolve()
             if problem is None:
-                tpath, problem, read = files.read(t.file, t.sha256, where, "tokenizer")
+                fpath, problem, read = files.read(declared.file, declared.sha256, where, what)
                 if read is not None and read.identity is not None:
-                    tokenizer = VerifiedFile(tpath, t.file, t.sha256, read.identity, read.settled)
+                    verified = VerifiedFile(
+                        fpath, declared.file, declared.sha256, read.identity, read.settled
+                    )
+            more[what] = (verified, fpath)
+        tokenizer, tpath = more.get("tokenizer", (None, None))
+        data, dpath = more.get("data", (None, None))
         # the declared sha256, whatever the file's is: a failed branch shows no digest of it
         local = _artifact(manifest, tag, name, spec, path, spec.sha256, 0, reference, problem)
-        local = replace(local, tokenizer_path=tpath)
+        local = replace(local, tokenizer_path=tpath, data_path=dpath)
         if problem is None and checked is not None and checked.identity is not None:
             (onnx if spec.tokenizer is not None else ggufs).append(len(artifacts))
             local = replace(
@@ -362,6 +389,7 @@ def check_artifacts(
                 file_id=checked.identity,
                 settled=checked.settled,
                 tokenizer=tokenizer,
+                data=data,
             )
         artifacts.append(local)
     limits: dict[str, Any] = {"timeout_s": timeout_s, "memory_bytes": memory_bytes}
@@ -371,7 +399,8 @@ def check_artifacts(
         if refused is not None:
             artifacts[i] = _refused(artifacts[i], label, refused)
     pairs = [(artifacts[i].path, _tokenizer_path(artifacts[i])) for i in onnx]
-    for i, found in zip(onnx, _check_onnx(pairs, isolated, limits), strict=True):
+    datas = [artifacts[i].data_file() for i in onnx]
+    for i, found in zip(onnx, _check_onnx(pairs, datas, isolated, limits), strict=True):
         if found.model is not None:
             artifacts[i] = _refused(artifacts[i], label, found.model)
         elif found.tokenizer is not None:
@@ -423,7 +452,8 @@ def _refused(
         where = f"tokenizer {a.spec.tokenizer.file}"
     else:
         where = a.spec.file if a.spec is not None else a.path.name
-    return replace(a, problem=f"{label}:{a.name}: {where}: {reason}", file_id=None, tokenizer=None)
+    problem = f"{label}:{a.name}: {where}: {reason}"
+    return replace(a, problem=problem, file_id=None, tokenizer=None, data=None)
 
 
 def _check_ggufs(paths: list[Path], isolated: bool, limits: dict[str, Any]) -> list[str | None]:
@@ -437,15 +467,18 @@ def _check_ggufs(paths: list[Path], isolated: bool, limits: dict[str, Any]) -> l
 
 
 def _check_onnx(
-    pairs: list[tuple[Path, Path | None]], isolated: bool, limits: dict[str, Any]
+    pairs: list[tuple[Path, Path | None]],
+    data: list[DataFile | None],
+    isolated: bool,
+    limits: dict[str, Any],
 ) -> list[PairFound]:
     from quantroute.registry.onnx_pair import check_onnx_isolated
 
     if not pairs:
         return []
     if isolated:
-        return check_onnx_isolated(pairs, **limits)
-    return [check_onnx_pair(model, tokenizer) for model, tokenizer in pairs]
+        return check_onnx_isolated(pairs, data=data, **limits)
+    return [check_onnx_pair(m, t, d) for (m, t), d in zip(pairs, data, strict=True)]
 
 
 def _check_in_process(path: Path) -> str | None:

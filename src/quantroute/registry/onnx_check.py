@@ -14,8 +14,13 @@ past its message, a varint over 10 bytes, groups), an IR version it does not
 know, a model without a graph or an opset, absurd counts (fields, nodes,
 tensors, dimensions, nesting), an initializer whose dimensions declare more
 bytes than it holds (a tensor ORT would allocate from its dimensions), and
-**external data** anywhere (a tensor whose bytes live in another file: that
-file is not verified, and its name, a path, is the attacker's). And it reads
+**external data** (a tensor whose bytes live in another file) unless the branch
+declares that file (:class:`DataFile`: ``model.onnx.data`` beside the graph,
+verified by its sha256): then every external tensor must name exactly that file
+(its ``location``: not another file, not a path, not ONNX Runtime's in-memory
+addresses), with ``offset`` and ``length`` inside it and ``length`` the bytes its
+dimensions declare; any other key, or a graph that declares a data file and keeps
+nothing in it, is refused too. And it reads
 the decoder's interface: ``past_key_values.{i}.key/value`` inputs (layers,
 key/value heads, head width, element type) and the ``logits`` width, which
 the memory model needs (:class:`OnnxSummary`).
@@ -39,7 +44,14 @@ from typing import Any, BinaryIO
 
 from quantroute.errors import ArtifactIntegrityError
 
-__all__ = ["MAX_FIELDS", "OnnxSummary", "check_onnx", "check_onnx_stream"]
+__all__ = [
+    "MAX_FIELDS",
+    "DataFile",
+    "OnnxSummary",
+    "check_onnx",
+    "check_onnx_stream",
+    "external_location",
+]
 
 MAX_FIELDS = 1 << 21  # protobuf fields visited in one file (a real decoder: ~10^5)
 MAX_DEPTH = 8  # graphs nested in attributes (If/Loop bodies)
@@ -86,6 +98,17 @@ class OnnxSummary:
     n_embd: int = 0
     n_ff: int = 0
     keeps_rows: bool = False  # the graph takes logits_to_keep: K rows of logits, not all T
+
+
+@dataclass(frozen=True, slots=True)
+class DataFile:
+    """A graph's external data file as the branch declares it: ``name``, the file's name
+    in the graph's folder (what every external tensor's ``location`` must be; ``None``:
+    whichever one name the graph gives, for :func:`external_location`), and ``size``, its
+    verified size in bytes."""
+
+    name: str | None
+    size: int
 
 
 class _Refused(ArtifactIntegrityError):
@@ -169,22 +192,43 @@ class _Walk:
     nbits: int = 0  # MatMulNBits nodes
     # the top graph's inputs and outputs: name -> (element type, dims; -1 = not fixed)
     values: dict[str, tuple[int, list[int]]] | None = None
+    data: DataFile | None = None  # the declared external data file (None: none allowed)
+    location: str | None = None  # the name the external tensors give it (None: none seen)
 
 
-def check_onnx(path: Path) -> OnnxSummary:
-    """Check ``path`` (see the module docstring); raises :class:`ArtifactIntegrityError`."""
+def check_onnx(path: Path, data: DataFile | None = None) -> OnnxSummary:
+    """Check ``path`` (see the module docstring), its external tensors against ``data``
+    (``None``: it may have none); raises :class:`ArtifactIntegrityError`."""
     try:
         size = path.stat().st_size
         with path.open("rb") as fh:
-            return check_onnx_stream(fh, size)
+            return check_onnx_stream(fh, size, data)
     except OSError as exc:
         raise ArtifactIntegrityError(f"cannot read {path.name}: {exc.strerror}") from exc
 
 
-def check_onnx_stream(stream: BinaryIO, size: int) -> OnnxSummary:
+def check_onnx_stream(stream: BinaryIO, size: int, data: DataFile | None = None) -> OnnxSummary:
     """:func:`check_onnx` of an open file of ``size`` bytes."""
+    walk, ir_version = _walk_model(stream, size, data)
+    if data is not None and walk.location is None:
+        raise _Refused(
+            f"the branch declares the data file {data.name}, and the graph keeps no tensor "
+            "in another file"
+        )
+    return _interface(walk, ir_version)
+
+
+def external_location(stream: BinaryIO, size: int, data_size: int) -> str | None:
+    """The one file name the external tensors of the graph in ``stream`` give (``None``:
+    every tensor is inline), each of them checked against a data file of ``data_size``
+    bytes: what a worker names the verified data file's link beside the graph
+    (``engines/onnx/worker_model.py``). Raises :class:`ArtifactIntegrityError`."""
+    return _walk_model(stream, size, DataFile(None, data_size))[0].location
+
+
+def _walk_model(stream: BinaryIO, size: int, data: DataFile | None) -> tuple[_Walk, int]:
     src = _Source(stream, size)
-    walk = _Walk(src, values={})
+    walk = _Walk(src, values={}, data=data)
     ir_version, graphs, opsets = -1, 0, 0
     for field, wire, value, pos in src.fields_of(0, size):
         if field == 1 and wire == 0:
@@ -204,7 +248,7 @@ def check_onnx_stream(stream: BinaryIO, size: int) -> OnnxSummary:
         raise _Refused("no graph (or an empty one)")
     if not opsets:
         raise _Refused("the model imports no operator set")
-    return _interface(walk, ir_version)
+    return walk, ir_version
 
 
 def _graph(walk: _Walk, start: int, end: int, depth: int) -> None:
@@ -268,6 +312,7 @@ def _tensor(walk: _Walk, start: int, end: int) -> None:
     src = walk.src
     dims: list[int] = []
     kind, raw, data, strings = 1, -1, 0, 0
+    external: dict[str, str] | None = None  # its external_data entries, when it has any
     for field, wire, value, pos in src.fields_of(start, end):
         if field == 1:
             if wire == 0:
@@ -289,11 +334,11 @@ def _tensor(walk: _Walk, start: int, end: int) -> None:
             data += value if wire == 2 else 1
         elif field == 6:
             strings += 1
-        elif field == 13 or (field == 14 and wire == 0 and value == 1):
-            raise _Refused(
-                "a tensor keeps its data in another file (external data is not served: "
-                "a worker loads only the verified file)"
-            )
+        elif field == 13 and wire == 2:  # external_data: a key and a value
+            external = external if external is not None else {}
+            _entry(src, pos, pos + value, external)
+        elif field == 13 or (field == 14 and wire == 0 and value == 1):  # data_location
+            external = external if external is not None else {}
     elements = 1
     for dim in dims:
         if dim >= 1 << 63:
@@ -309,7 +354,12 @@ def _tensor(walk: _Walk, start: int, end: int) -> None:
     if bits is None:
         raise _Refused(f"a tensor of unknown element type {kind}")
     declared = -(-elements * bits // 8)
-    if raw >= 0:
+    if external is not None:
+        if raw >= 0 or data:
+            raise _Refused("a tensor keeps its data both in the graph and in another file")
+        _external(walk, external, declared)
+        data = declared
+    elif raw >= 0:
         if raw != declared:
             raise _Refused(
                 f"a tensor holds {raw} bytes and its dimensions say {declared}: the file is corrupt"
@@ -320,6 +370,66 @@ def _tensor(walk: _Walk, start: int, end: int) -> None:
     walk.weights += data
     if kind == _FLOAT16:
         walk.float16 += data
+
+
+_EXTERNAL_KEYS = frozenset({"location", "offset", "length", "checksum"})  # ONNX Runtime's
+_MAX_ENTRY = 1024  # bytes of an external_data key or value (a file name, a decimal number)
+
+
+def _entry(src: _Source, start: int, end: int, into: dict[str, str]) -> None:
+    """One external_data entry (a StringStringEntryProto) into ``into``."""
+    key = value = ""
+    for field, wire, n, pos in src.fields_of(start, end):
+        if wire == 2 and field in (1, 2):
+            if n > _MAX_ENTRY:
+                raise _Refused(f"a tensor's external data entry is over {_MAX_ENTRY} bytes")
+            text = src.read(pos, n).decode("utf-8", "replace")
+            key, value = (text, value) if field == 1 else (key, text)
+    if key not in _EXTERNAL_KEYS:
+        raise _Refused(f"a tensor's external data has a key {key[:64]!r} ONNX does not define")
+    if key in into:
+        raise _Refused(f"a tensor's external data gives its {key} twice")
+    into[key] = value
+
+
+def _external(walk: _Walk, entries: dict[str, str], declared: int) -> None:
+    """A tensor whose ``declared`` bytes lie in another file: that file is the declared
+    data file, by its exact name, and they lie inside it."""
+    data = walk.data
+    if data is None:
+        raise _Refused(
+            "a tensor keeps its data in another file (external data), and the branch "
+            "declares no data file (data: {file, sha256} beside the graph)"
+        )
+    location = entries.get("location", "")
+    if not location:
+        raise _Refused("a tensor keeps its data in another file and names none")
+    wanted = data.name or walk.location or location
+    if location != wanted or "/" in location or "\\" in location or location in (".", ".."):
+        raise _Refused(
+            f"a tensor keeps its data in {location[:64]!r}, not in the declared data file "
+            f"{wanted[:64]} beside the graph"
+        )
+    walk.location = location
+    offset, length = _number(entries, "offset", 0), _number(entries, "length", declared)
+    if length != declared:
+        raise _Refused(
+            f"a tensor's external data is {length} bytes and its dimensions say {declared}"
+        )
+    if offset + length > data.size:
+        raise _Refused(
+            f"a tensor's external data (bytes {offset} to {offset + length}) lies past the "
+            f"end of the data file ({data.size} bytes)"
+        )
+
+
+def _number(entries: dict[str, str], key: str, default: int) -> int:
+    text = entries.get(key)
+    if text is None:
+        return default
+    if not text.isascii() or not text.isdigit() or len(text) > 20:
+        raise _Refused(f"a tensor's external data {key} is not a number ({text[:32]!r})")
+    return int(text)
 
 
 def _value_info(src: _Source, start: int, end: int) -> tuple[str, tuple[int, list[int]]] | None:

@@ -1,6 +1,7 @@
 """The child process of :func:`quantroute.registry.onnx_pair.check_onnx_isolated`: its
 limits first, then :func:`~quantroute.registry.onnx_pair.check_onnx_pair` of each
-``MODEL TOKENIZER`` pair named on the command line (``-``: no tokenizer); on stdout a
+``MODEL TOKENIZER DATA`` triple named on the command line (``-``: no tokenizer, no
+external data file; DATA is the declared data file's ``SIZE:NAME``); on stdout a
 JSON list with, per pair, the graph's summary or why the graph or the tokenizer is
 refused (``onnx_pair.pair_json``)."""
 
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 from quantroute.registry.gguf_check import CHILD_MEMORY_BYTES, CHILD_TIMEOUT_S
-from quantroute.registry.onnx_pair import check_onnx_pair, pair_json
+from quantroute.registry.onnx_pair import check_onnx_pair, pair_json, parse_data_arg
 
 
 def main(argv: list[str]) -> int:
@@ -23,8 +24,10 @@ def main(argv: list[str]) -> int:
     cpu_s = int(CHILD_TIMEOUT_S) + 1
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
     found = []
-    for model, tokenizer in zip(names[::2], names[1::2], strict=True):
-        pair = check_onnx_pair(Path(model), None if tokenizer == "-" else Path(tokenizer))
+    for model, tokenizer, data in zip(names[::3], names[1::3], names[2::3], strict=True):
+        pair = check_onnx_pair(
+            Path(model), None if tokenizer == "-" else Path(tokenizer), parse_data_arg(data)
+        )
         found.append(pair_json(pair))
     sys.stdout.write(json.dumps(found))
     return 0

@@ -1,5 +1,7 @@
-"""An ONNX branch's two files, checked together: the graph
-(:mod:`quantroute.registry.onnx_check`) and its tokenizer.
+"""An ONNX branch's files, checked together: the graph
+(:mod:`quantroute.registry.onnx_check`), its tokenizer, and the size and name of its
+external data file where it declares one (:class:`~quantroute.registry.onnx_check.DataFile`:
+its bytes were verified by sha256; the graph's tensors must lie inside it).
 
 The tokenizer is a GGUF file checked by :func:`~quantroute.registry.gguf_check.check_gguf`
 with its metadata; it needs a vocabulary (``general.architecture``,
@@ -33,14 +35,16 @@ from quantroute.registry.gguf_check import (
     GgufSummary,
     check_gguf,
 )
-from quantroute.registry.onnx_check import OnnxSummary, check_onnx
+from quantroute.registry.onnx_check import DataFile, OnnxSummary, check_onnx
 
 __all__ = [
     "PairFound",
     "check_onnx_isolated",
     "check_onnx_pair",
     "check_vocabulary",
+    "data_arg",
     "pair_json",
+    "parse_data_arg",
     "read_onnx_isolated",
 ]
 
@@ -88,11 +92,12 @@ class PairFound:
     tokenizer: str | None = None
 
 
-def check_onnx_pair(model: Path, tokenizer: Path | None) -> PairFound:
-    """:func:`check_onnx` of ``model`` and the vocabulary check of ``tokenizer``, in this
-    process (the child's work; a caller that trusts no file uses the isolated one)."""
+def check_onnx_pair(model: Path, tokenizer: Path | None, data: DataFile | None = None) -> PairFound:
+    """:func:`check_onnx` of ``model`` (its external tensors against ``data``) and the
+    vocabulary check of ``tokenizer``, in this process (the child's work; a caller that
+    trusts no file uses the isolated one)."""
     try:
-        summary = check_onnx(model)
+        summary = check_onnx(model, data)
     except ArtifactIntegrityError as exc:
         return PairFound(model=exc.message)
     if tokenizer is None:
@@ -107,21 +112,26 @@ def check_onnx_pair(model: Path, tokenizer: Path | None) -> PairFound:
 def check_onnx_isolated(
     pairs: list[tuple[Path, Path | None]],
     *,
+    data: list[DataFile | None] | None = None,
     timeout_s: float = CHILD_TIMEOUT_S,
     memory_bytes: int = CHILD_MEMORY_BYTES,
 ) -> list[PairFound]:
-    """:func:`check_onnx_pair` of each ``(model, tokenizer)`` in one child process bounded
-    in time and memory; a child that runs out of either, or dies, refuses every graph
+    """:func:`check_onnx_pair` of each ``(model, tokenizer)`` (with ``data``'s entry: its
+    external data file, if any) in one child process bounded in time and memory; a
+    child that runs out of either, or dies, refuses every graph
     with that reason. Each sound graph's summary is kept (while its size, mtime and ctime
     are the ones checked) for :func:`read_onnx_isolated`. Blocking: call it off the event
     loop."""
     if not pairs:
         return []
+    files = data if data is not None else [None] * len(pairs)
+    if len(files) != len(pairs):
+        raise ValueError("data needs one entry per pair")
     before = [_stat_key(m) for m, _ in pairs]
     argv = [sys.executable, "-m", "quantroute.registry.onnx_child", "--memory-bytes"]
     argv.append(str(memory_bytes))
-    for model, tokenizer in pairs:
-        argv += [str(model), str(tokenizer) if tokenizer is not None else "-"]
+    for (model, tokenizer), file in zip(pairs, files, strict=True):
+        argv += [str(model), str(tokenizer) if tokenizer is not None else "-", data_arg(file)]
     env = os.environ | {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     try:
         done = subprocess.run(argv, capture_output=True, timeout=timeout_s, env=env, check=False)
@@ -144,19 +154,26 @@ def check_onnx_isolated(
 
 
 def read_onnx_isolated(
-    path: Path, *, timeout_s: float = CHILD_TIMEOUT_S, memory_bytes: int = CHILD_MEMORY_BYTES
+    path: Path,
+    *,
+    data: DataFile | None = None,
+    timeout_s: float = CHILD_TIMEOUT_S,
+    memory_bytes: int = CHILD_MEMORY_BYTES,
 ) -> OnnxSummary:
     """The summary of the ONNX graph at ``path``: what the last isolated check of the same
-    file found (with its tokenizer's shape), or a new check of the graph alone in a child
-    process bounded in time and memory. Raises :class:`ArtifactIntegrityError` with the
-    reason it is refused. Blocking: call it off the event loop."""
+    file found (with its tokenizer's shape), or a new check of the graph alone (and its
+    external tensors against ``data``) in a child process bounded in time and memory.
+    Raises :class:`ArtifactIntegrityError` with the reason it is refused. Blocking: call
+    it off the event loop."""
     key = _stat_key(path)
     if key is not None:
         with _LOCK:
             summary = _SUMMARIES.get(key)
         if summary is not None:
             return summary
-    (found,) = check_onnx_isolated([(path, None)], timeout_s=timeout_s, memory_bytes=memory_bytes)
+    (found,) = check_onnx_isolated(
+        [(path, None)], data=[data], timeout_s=timeout_s, memory_bytes=memory_bytes
+    )
     if found.summary is None:
         raise ArtifactIntegrityError(found.model or "the ONNX check failed")
     return found.summary
@@ -174,6 +191,19 @@ def _stat_key(path: Path) -> _StatKey | None:
     except OSError:
         return None
     return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def data_arg(data: DataFile | None) -> str:
+    """``data`` on the child's command line: ``SIZE:NAME``, or ``-`` for none."""
+    return "-" if data is None or data.name is None else f"{data.size}:{data.name}"
+
+
+def parse_data_arg(arg: str) -> DataFile | None:
+    """:func:`data_arg`'s inverse (the child's)."""
+    if arg == "-":
+        return None
+    size, _, name = arg.partition(":")
+    return DataFile(name, int(size))
 
 
 def pair_json(found: PairFound) -> dict[str, Any]:

@@ -20,7 +20,8 @@ deadline   no deadline; or unknown speeds (passes, marked "unknown"); or the pre
            observed end-to-end speed when it has one (``max(observed_ttft_ms,
            prompt_tokens / prefill_tps) + (max_tokens - 1) * observed_tpot_ms``,
            ``routing.speeds``), else the profile's engine-only speed,
-           ``prompt_tokens / prefill_tps + max_tokens / decode_tps``
+           ``prompt_tokens / prefill_tps + max_tokens / (decode_tps * decode_speedup)``
+           (``decode_speedup``: a speculating reference's measured speed-up, else 1)
 =========  ===================================================================================
 
 Queue wait is ``ahead * service / parallel``: ``ahead`` is ``queued``, plus
@@ -86,7 +87,7 @@ def evaluate(
         need = b.kv_bytes_per_token * tokens
         if need > b.device_free_bytes:
             fails |= MEMORY
-        decode = b.decode_tps
+        decode = b.decode_tps and b.decode_tps * b.decode_speedup  # drafting's, if it drafts
         ttft = b.observed_ttft_ms
         prefill = b.prefill_tps
         if ttft is not None:  # what requests on this branch saw lately, end to end
@@ -152,6 +153,8 @@ def _reason(
     if predicted is None:
         return "unknown speed"
     source = "observed" if b.observed_ttft_ms is not None else "profile"
+    if source == "profile" and b.decode_speedup != 1.0:
+        source = f"profile, drafting x{b.decode_speedup:.2f}"
     if requirement.deadline_ms is None:
         return f"predicted {predicted:.1f} ms ({source} speed), no deadline"
     verdict = "<=" if predicted <= requirement.deadline_ms else ">"

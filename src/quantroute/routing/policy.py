@@ -367,7 +367,8 @@ def _within_reach(
             continue
         soonest = predicted - k * filters.spread_ms(b, generate)
         if b.prefill_tps and b.decode_tps:
-            soonest = max(soonest, 1000.0 * (prompt / b.prefill_tps + generate / b.decode_tps))
+            decode = b.decode_tps * b.decode_speedup
+            soonest = max(soonest, 1000.0 * (prompt / b.prefill_tps + generate / decode))
         if soonest <= deadline:
             reach.append((predicted, fidelity_key(b), i))
     return tuple(i for _, _, i in sorted(reach))

@@ -37,7 +37,9 @@ class BranchState:
     / ``observed_tpot_ms`` (time to first token and per output token after it, end
     to end, as recent requests on the branch saw them: ``routing.speeds``; ``None``
     before there are observations, and the deadline filter reads the profile), and
-    their spread ``observed_*_dev_ms`` (the policy's deadline margin).
+    their spread ``observed_*_dev_ms`` (the policy's deadline margin), and
+    ``decode_speedup``: a reference that speculates decodes this many times its profile's
+    ``decode_tps`` (its worker's measured speed-up, ``EngineInfo.speedup``; 1.0 otherwise).
     """
 
     id: str
@@ -67,6 +69,7 @@ class BranchState:
     observed_tpot_ms: float | None = None
     observed_ttft_dev_ms: float = 0.0
     observed_tpot_dev_ms: float = 0.0
+    decode_speedup: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

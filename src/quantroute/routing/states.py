@@ -375,6 +375,7 @@ _PER_REQUEST = (
     "observed_tpot_ms",
     "observed_ttft_dev_ms",
     "observed_tpot_dev_ms",
+    "decode_speedup",
 )
 if sorted(_STATIC + _PER_REQUEST) != sorted(f.name for f in dataclasses.fields(BranchState)):
     raise AssertionError("routing.states: every BranchState field must be static or per request")
@@ -434,6 +435,7 @@ def _state(
             if speed is not None
             else (None, None, 0.0, 0.0)
         ),
+        info.speedup if info is not None else 1.0,
     )
     for set_field, value in zip(_SET_PER_REQUEST, values, strict=True):
         set_field(record, value)

@@ -40,6 +40,13 @@ class Branch:
         """The model version this branch belongs to (``m@v2`` → ``v2``), if any."""
         return split_version(self.model)[1]
 
+    @property
+    def draft(self) -> str | None:
+        """The branch id of the draft its engine speculates with (a reference whose worker
+        loaded one: ``engines/llamacpp/draft.py``); ``None`` when it drafts nothing."""
+        info = self.engine.info
+        return info.draft if info is not None else None
+
 
 @dataclass(frozen=True, slots=True)
 class ModelRoute:

@@ -5,13 +5,16 @@ Its worker is the llama.cpp worker with ONNX Runtime's forward pass
 holds, estimated before it loads from the graph's interface and its
 tokenizer's metadata (``registry.onnx_check.OnnxSummary``, read in the
 registry's bounded child: never by this process), ``W`` the initializers'
-bytes and ``tokens`` the rows of the largest session run (:func:`onnx_step_tokens`:
-``n_batch``, doubled where the worker pads two or more slots into one call)::
+bytes (those inline and those in the graph's external data file, ``model.onnx.data``:
+the check counts every tensor's bytes wherever they lie) and ``tokens`` the rows of
+the largest session run (:func:`onnx_step_tokens`: ``n_batch``, doubled where the
+worker pads two or more slots into one call)::
 
-    weights   2.75 · W: the model's bytes, which ONNX Runtime's Python session keeps
-              (the worker creates it from the verified bytes), its initializers, and
-              most kernels' prepacked copies; + the float16 initializers' bytes again
-              for a float16 graph (float16 key/value cache): the CPU kernels widen them
+    weights   1.4 · W: the initializers and most kernels' prepacked copies (the worker
+              loads the graph from its verified descriptor's path, so no copy of the
+              file's bytes stays, and hands the load's freed heap back); + 1.3 · the
+              float16 initializers' bytes for a float16 graph (float16 key/value
+              cache): the CPU kernels widen them to float32
     kv        kv_bytes_per_token · n_ctx · parallel: each slot's key/value cells, numpy
               arrays grown as the slot fills, up to n_ctx
     compute   2 · kv (a step's past fed in and the presents it returns) + the arena:
@@ -27,7 +30,8 @@ bytes and ``tokens`` the rows of the largest session run (:func:`onnx_step_token
 
 The constants were measured (``docs/memory-model.md``: real workers on the
 demo's folders and the realistic model's, every slot filled, the worker's peak
-RSS, ``VmHWM``; every estimate within 14 %). The worker
+RSS, ``VmHWM``; every estimate within 16 % of it, and of the server's measurement,
+the RSS at ready plus the growth below). The worker
 allocates its KV cells and step buffers as its slots fill, so what it holds
 when it becomes ready lacks them: :func:`onnx_growth_bytes` is what the
 server adds to that measurement (``telemetry.occupancy``).
@@ -38,13 +42,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from quantroute.errors import ArtifactIntegrityError, ConfigError
-from quantroute.registry.onnx_check import OnnxSummary
+from quantroute.registry.onnx_check import DataFile, OnnxSummary
 from quantroute.registry.onnx_pair import read_onnx_isolated
 from quantroute.telemetry.memory import WORKER_RUNTIME_BYTES, Footprint
 
 __all__ = [
     "ONNX_ARENA_SLACK",
     "ONNX_ATTENTION_COPIES",
+    "ONNX_FLOAT16_COPIES",
     "ONNX_SESSION_BYTES",
     "ONNX_WEIGHT_COPIES",
     "ONNX_WORKER_RUNTIME_BYTES",
@@ -60,9 +65,10 @@ __all__ = [
 MiB = 1 << 20
 
 # Measured (docs/memory-model.md), onnxruntime 1.32 on x86-64, 1 thread.
-ONNX_WEIGHT_COPIES = 2.75  # resident bytes per byte of initializers (the model's bytes, kept;
-# its initializers; most kernels' prepacked copies)
-ONNX_SESSION_BYTES = 11 * MiB  # a session beyond its weights, and the tokenizer's vocabulary
+ONNX_WEIGHT_COPIES = 1.4  # resident bytes per byte of initializers (the initializers, most
+# kernels' prepacked copies; the worker loads from the file's path and trims the load's heap)
+ONNX_FLOAT16_COPIES = 1.3  # more per byte of float16 initializers: widened to float32
+ONNX_SESSION_BYTES = 12 * MiB  # a session beyond its weights, and the tokenizer's vocabulary
 ONNX_ATTENTION_COPIES = 3.5  # score-sized buffers live at once in the attention phase
 ONNX_ARENA_SLACK = 1.1  # the CPU arena grows by whole regions and keeps them
 # What the worker process holds before it loads a graph: the llama.cpp worker's runtime
@@ -77,12 +83,21 @@ def is_onnx(path: Path) -> bool:
     return path.suffix == ".onnx"
 
 
-def read_onnx_shape(path: Path) -> OnnxSummary:
+def read_onnx_shape(path: Path, data: DataFile | None = None) -> OnnxSummary:
     """The graph's interface and its tokenizer's metadata, as the repository scan's
-    bounded check found them (or a new check of the graph alone, in a bounded child).
-    Raises :class:`ConfigError` for a graph the check refuses. Blocking."""
+    bounded check found them (or a new check of the graph alone, in a bounded child,
+    its external tensors against ``data``: ``BranchArtifact.data_file()``; without it,
+    ``<graph>.data`` beside the graph where there is one, which only sizes the estimate:
+    the worker loads the verified file). Raises :class:`ConfigError` for a graph the
+    check refuses. Blocking."""
+    if data is None:
+        beside = path.with_name(path.name + ".data")
+        try:
+            data = DataFile(beside.name, beside.stat().st_size) if beside.is_file() else None
+        except OSError:
+            data = None
     try:
-        return read_onnx_isolated(path)
+        return read_onnx_isolated(path, data=data)
     except ArtifactIntegrityError as exc:
         raise ConfigError(f"cannot read ONNX graph {path.name}: {exc.message}") from None
 
@@ -140,7 +155,7 @@ def estimate_onnx_footprint(
         raise ValueError("n_parallel must be >= 1")
     return Footprint(
         weights_bytes=round(ONNX_WEIGHT_COPIES * shape.weights_bytes)
-        + (shape.float16_bytes if shape.kv_element_bytes == 2 else 0),
+        + (round(ONNX_FLOAT16_COPIES * shape.float16_bytes) if shape.kv_element_bytes == 2 else 0),
         kv_bytes=onnx_kv_bytes(shape, n_ctx, n_parallel),
         compute_bytes=onnx_compute_bytes(shape, n_ctx, n_parallel, n_batch),
         overhead_bytes=ONNX_SESSION_BYTES,

@@ -75,12 +75,15 @@ class PlacementRequest:
     """A branch to place: its id and the local model file (``None``: costs nothing here).
     ``problem``: its file is known bad (the registry said why); it is not placed.
     ``device``: the device its manifest pins it to (``cpu``, ``cuda:N``, ``sim:N``), or
-    the server of a remote branch (``remote:host:port``: placed there, costing nothing)."""
+    the server of a remote branch (``remote:host:port``: placed there, costing nothing).
+    ``draft_path``: the draft GGUF a reference's worker holds beside its model (speculative
+    decoding): its weights and KV cells are the branch's too."""
 
     branch_id: str
     model_path: Path | None
     problem: str | None = None
     device: str | None = None
+    draft_path: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,9 @@ class Placement:
     problem: str | None = None
     oom_flag: str = ""  # on a simulated device: its out-of-memory flag file
     grows_bytes: int = 0  # what its worker allocates after it is ready (ONNX: KV, steps)
+    # a reference whose draft (PlacementRequest.draft_path) had no room beside it: why; its
+    # worker is started without the draft (None: the draft is counted, or none was asked)
+    draft_dropped: str | None = None
 
     @property
     def gpu(self) -> int | None:
@@ -108,7 +114,8 @@ class Placement:
     def offload(self) -> Offload:
         """What the engine is told: the GPU and its layers, or the CPU."""
         gpu = self.gpu
-        return Offload(gpu, self.n_gpu_layers if gpu is not None else 0, self.oom_flag)
+        layers = self.n_gpu_layers if gpu is not None else 0
+        return Offload(gpu, layers, self.oom_flag, self.draft_dropped)
 
 
 def partial_offload(footprint: Footprint, n_layer: int, layers: int) -> Footprint:
@@ -206,6 +213,19 @@ class Occupancy:
         )
         return footprint, kv_cache_bytes(shape, 1), shape.n_layer
 
+    def _with_draft(
+        self, footprint: Footprint, kv_per_token: int, draft: Path, kind: DeviceKind
+    ) -> tuple[Footprint, int]:
+        """A reference's footprint with its draft's weights and KV cells added (the two
+        models share one process, its runtime and compute buffers taken in turn)."""
+        extra, extra_kv, _ = self.estimate(draft, kind)
+        added = dataclasses.replace(
+            footprint,
+            weights_bytes=footprint.weights_bytes + extra.weights_bytes,
+            kv_bytes=footprint.kv_bytes + extra.kv_bytes,
+        )
+        return added, kv_per_token + extra_kv
+
     def device_bytes(self, footprint: Footprint) -> int:
         """What a branch occupies on its device: its footprint, with the weights scaled by
         ``sim_weight_scale`` on simulated devices."""
@@ -256,31 +276,53 @@ class Occupancy:
         health = self._health.factors(d.id for d in devices)
         for kind in kinds:
             try:
-                footprint, kv_per_token, n_layer = self.estimate(request.model_path, kind)
+                plain, plain_kv, n_layer = self.estimate(request.model_path, kind)
+                # with its draft first, where it has one
+                ways: list[tuple[Footprint, int, Path | None]] = [(plain, plain_kv, None)]
+                if request.draft_path is not None:
+                    drafted, drafted_kv = self._with_draft(
+                        plain, plain_kv, request.draft_path, kind
+                    )
+                    ways.insert(0, (drafted, drafted_kv, request.draft_path))
             except ConfigError as exc:
                 log.error("%s: not started: %s", branch_id, exc.message)
                 return Placement(None, Footprint(0, 0, 0, 0), problem=exc.message)
             layers = self._n_gpu_layers if kind is DeviceKind.CUDA else 0
-            if kind is DeviceKind.CUDA and layers > 0:  # a set number of layers
-                footprint = partial_offload(footprint, n_layer, layers)
-            try:
-                device = place(
-                    self.device_bytes(footprint),
-                    devices,
-                    topology,
-                    health,
-                    kinds={kind},
-                    margin=self._margin,
-                )[0]
+            for footprint, kv_per_token, draft in ways:
+                if kind is DeviceKind.CUDA and layers > 0:  # a set number of layers
+                    footprint = partial_offload(footprint, n_layer, layers)
+                try:
+                    device = place(
+                        self.device_bytes(footprint),
+                        devices,
+                        topology,
+                        health,
+                        kinds={kind},
+                        margin=self._margin,
+                    )[0]
+                except InsufficientMemoryError as exc:
+                    problem = exc.message
+                    continue
+                dropped = None
+                if request.draft_path is not None and draft is None:
+                    dropped = _no_room_for(request.draft_path, device)
+                    log.warning("%s: %s: it serves without speculation", branch_id, dropped)
                 grows = onnx_growth_bytes(footprint) if onnx else 0
                 return Placement(
-                    device, footprint, kv_per_token, n_layer, layers, grows_bytes=grows
+                    device,
+                    footprint,
+                    kv_per_token,
+                    n_layer,
+                    layers,
+                    grows_bytes=grows,
+                    draft_dropped=dropped,
                 )
-            except InsufficientMemoryError as exc:
-                problem = exc.message
             if kind is DeviceKind.CUDA and self._n_gpu_layers == -1:
-                partial = self._partial(footprint, kv_per_token, n_layer, devices, health)
+                partial = self._partial(plain, plain_kv, n_layer, devices, health)
                 if partial is not None:
+                    if request.draft_path is not None:  # its layers hold what room there is
+                        why = _no_room_for(request.draft_path, partial.device)
+                        partial = dataclasses.replace(partial, draft_dropped=why)
                     return partial
         if request.device is not None:
             problem = f"its manifest's device {request.device}: {problem}"
@@ -411,6 +453,11 @@ class Occupancy:
         for device in snapshot.devices:
             if device.kind is DeviceKind.SIM:
                 self._sim.set_out_of_memory(device.id, self._margin.balance(device) < 0)
+
+
+def _no_room_for(draft: Path, device: str | None) -> str:
+    """Why a reference is placed without its draft."""
+    return f"its draft {draft.name} does not fit beside it on {device}"
 
 
 def _reserve(device: DeviceStats, nbytes: int) -> DeviceStats:

@@ -23,7 +23,8 @@ ONNX branch's ``tokenizer.gguf``;
 :meth:`LlamaCppEngine.file_moved` finds a rewrite in place). How it is
 started, its argv and allowlisted environment, is :mod:`.options`; every
 message to and from it is :mod:`.wire`; a generation's events are read by
-:mod:`.generation`.
+:mod:`.generation`, and its scoring commands by :mod:`.scoring_exchange`. A reference may
+hold a draft to speculate with (:meth:`LlamaCppEngine.speculate`, :mod:`.draft`).
 """
 
 from __future__ import annotations
@@ -36,30 +37,34 @@ import signal
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar
 
 from quantroute.engines.base import (
     EngineInfo,
     EngineListener,
     GenerationRequest,
     PromptCacheStats,
-    ReferenceLogits,
     SamplingParams,
     TokenEvent,
-    TokenScores,
 )
 from quantroute.engines.exits import describe_exit
 from quantroute.engines.inbox import Inbox
 from quantroute.engines.llamacpp import wire
+from quantroute.engines.llamacpp.draft import (
+    Draft,
+    DraftedFiles,
+    SpeculationStats,
+    drafts,
+    routed_speedup,
+)
 from quantroute.engines.llamacpp.exchange_timer import ExchangeTimer
 from quantroute.engines.llamacpp.generation import (
     STREAM_HIGH_WATER,
     Generation,
     Item,
-    worker_error,
 )
 from quantroute.engines.llamacpp.model_file import WorkerFiles
 from quantroute.engines.llamacpp.options import PIPE_LINE_LIMIT_BYTES, WorkerOptions
+from quantroute.engines.llamacpp.scoring_exchange import ScoringExchange
 from quantroute.engines.supervisor import Launch, RestartPolicy, WorkerSupervisor
 from quantroute.errors import (
     ArtifactIntegrityError,
@@ -80,13 +85,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_Answer = TypeVar("_Answer", wire.Logits, wire.Scores)
-
 EXIT_GRACE_S = 5.0
 """How long a worker that closed its output may take to exit before it is killed."""
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(ScoringExchange):
     """Runs one GGUF file, or an ONNX folder's ``model.onnx`` (``options.backend`` "onnx",
     with its ``tokenizer``), in a worker process; see :class:`quantroute.engines.Engine`."""
 
@@ -100,13 +103,21 @@ class LlamaCppEngine:
         listener: EngineListener | None = None,
         verified: VerifiedFile | None = None,
         tokenizer: VerifiedFile | Path | None = None,
+        data: VerifiedFile | Path | None = None,
     ):
         self.name = name
         self._listener = listener
         self._model_path = model_path
         # the files as verified (None: a file nothing verified, tests' own; loaded by path);
-        # an ONNX branch's tokenizer.gguf beside its model.onnx (options.backend "onnx")
-        self._files = WorkerFiles(model_path, verified, tokenizer)
+        # an ONNX branch's tokenizer.gguf beside its model.onnx (options.backend "onnx"),
+        # and its graph's external data file where it has one
+        self._plain = WorkerFiles(model_path, verified, tokenizer, data)
+        self._drafted: DraftedFiles | None = None  # with the draft speculate() gave it
+        self._files: WorkerFiles | DraftedFiles = self._plain  # what its next worker loads
+        self._draft: Draft | None = None  # what speculate() gave it
+        self._draft_problem: str | None = None  # why its worker holds no draft, if it does not
+        self._speculation = SpeculationStats()  # what drafting gave its current worker
+        self._spec = 0  # what each gen asks to draft: the k_max while a draft is loaded
         self._options = options
         self._info: EngineInfo | None = None
         self._ready = False
@@ -178,13 +189,50 @@ class LlamaCppEngine:
     def options(self) -> WorkerOptions:
         return self._options
 
+    @property
+    def draft(self) -> Draft | None:
+        """The draft its worker is started with (loaded or not: ``info.draft`` says)."""
+        return self._draft if self._files is not self._plain else None
+
+    @property
+    def speculation(self) -> SpeculationStats:
+        """What drafting gave its current worker (no drafted request yet: zeros)."""
+        return self._speculation
+
+    @property
+    def draft_problem(self) -> str | None:
+        """Why its worker holds no draft though it was given one (placement found no room
+        beside the model, or the worker refused it); ``None`` otherwise."""
+        return self._draft_problem if self._draft is not None else None
+
+    def speculate(self, draft: Draft) -> None:
+        """Start its workers with ``draft`` beside the model (before :meth:`start`; a
+        verified draft only where the model is verified too): each generation then asks
+        to draft up to ``draft.k_max`` tokens a step while the draft is loaded. A placement
+        with no room for the draft (:meth:`offload`'s ``draft_dropped``) starts it without."""
+        if self._draft is not None or (draft.verified is not None and not self._plain.verified):
+            raise ValueError(f"{self.name}: one draft, and a verified one for a verified model")
+        self._draft = draft
+        self._files = self._drafted = DraftedFiles(self._plain, draft)
+        self._options = replace(self._options, spec_mode=draft.mode, spec_k_max=draft.k_max)
+        self._supervisor.argv = self._files.argv(self._options)
+
     def listen(self, listener: EngineListener) -> None:
         self._listener = listener
 
     def offload(self, offload: Offload) -> None:
+        """Where its next worker runs (no worker runs now), and whether with its draft."""
+        if self._drafted is not None:
+            dropped = offload.draft_dropped
+            self._files = self._drafted if dropped is None else self._plain
+            self._draft_problem = dropped
         layers = offload.n_gpu_layers if offload.gpu is not None else 0
         self._options = replace(
-            self._options, gpu=offload.gpu, n_gpu_layers=layers, oom_flag=offload.oom_flag
+            self._options,
+            gpu=offload.gpu,
+            n_gpu_layers=layers,
+            oom_flag=offload.oom_flag,
+            draft_gpu_layers=-1 if layers == -1 else 0,  # a whole reference's draft with it
         )
         self._supervisor.argv = self._files.argv(self._options)
         self._supervisor.env = self._options.env()
@@ -256,7 +304,14 @@ class LlamaCppEngine:
         if not isinstance(hello, wire.Ready):
             raise EngineError(f"{self.name}: worker sent {type(hello).__name__} before Ready")
         self._check_loaded()
-        self._info = hello.info
+        self._info, self._spec = hello.info, 0
+        self._speculation = SpeculationStats()
+        if self.draft is not None and hello.draft is None:
+            log.warning("%s: draft %s not loaded: no speculation", self.name, self.draft.branch_id)
+            self._draft_problem = "its worker refused it (the worker's log says why)"
+        elif self.draft is not None:
+            self._info = replace(hello.info, draft=self.draft.branch_id)
+            self._spec = self.draft.k_max
         self._last_line_at = time.monotonic()
         self._owed.clear()
         self._reader = asyncio.create_task(self._read(proc), name=f"read:{self.name}")
@@ -364,7 +419,18 @@ class LlamaCppEngine:
             elif isinstance(event, wire.Ready):
                 log.error("%s: a second 'ready' from the worker dropped", self.name)
             else:
+                if isinstance(event, wire.Finished) and event.drafted:
+                    self._drafted_one(event)
                 deliver(event.id, event)
+
+    def _drafted_one(self, fin: wire.Finished) -> None:
+        """A drafted request finished: what it drafted and kept, and the worker's measured
+        speed-up, which routing reads (in steps) through :attr:`info`."""
+        stats = self._speculation.add(fin.drafted, fin.accepted, fin.mean_k, fin.speedup)
+        self._speculation = stats
+        speedup = routed_speedup(stats.speedup)
+        if self._info is not None and self._info.speedup != speedup:
+            self._info = replace(self._info, speedup=speedup)
 
     def _malformed(self, exc: wire.DecodeError) -> None:
         """A line that is not an event: a bug on one side. The request it was for (when
@@ -436,42 +502,6 @@ class LlamaCppEngine:
             assert stdin is not None
             stdin.write(wire.encode(command))
 
-    async def _exchange(
-        self,
-        command: wire.WriteLogits | wire.Score,
-        last: type[_Answer],
-        *,
-        timeout_s: float,
-    ) -> _Answer:
-        """Send a scoring command and wait for its answer, the event of type ``last``.
-        An ``err`` event, a dead worker or ``timeout_s`` in all raises; leaving early
-        (cancelled) cancels the command."""
-        rid = command.id
-        proc, stream, timer = self._enter(rid, None, timeout_s)
-        done = False
-        try:
-            await self._send(command, timer.wait_s())
-            while True:
-                if not stream.items:
-                    timer.waiting()
-                    item = await stream.get()
-                    timer.got()
-                else:
-                    item = stream.items.popleft()
-                if timer.expired is not None:
-                    raise self._timed_out(proc, timer.expired, timeout_s)
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                if isinstance(item, wire.Error):
-                    done = True
-                    raise worker_error(self.name, item)
-                if isinstance(item, last):
-                    done = True
-                    return item
-        finally:
-            self._leave(rid, stream, timer, proc, done=done)
-
     def _enter(
         self, rid: str, idle_s: float | None, total_s: float | None
     ) -> tuple[asyncio.subprocess.Process, Inbox[Item], ExchangeTimer]:
@@ -542,43 +572,6 @@ class LlamaCppEngine:
             code="engine_timeout",
         )
 
-    # -- scoring --------------------------------------------------------------
-
-    async def write_logits(
-        self,
-        prompt: str,
-        tokens: list[int],
-        path: Path,
-        *,
-        parse_special: bool = False,
-        text: str | None = None,
-        limit: int = 0,
-    ) -> ReferenceLogits:
-        """Teacher-force ``tokens`` (or ``text``'s first ``limit`` tokens) after
-        ``prompt``; the worker writes the float32 logits that predicted each of them to
-        ``path`` (see ``Engine.write_logits``)."""
-        rid = f"logits.{next(self._ids)}"
-        command = wire.WriteLogits(rid, prompt, tokens, str(path), parse_special, text, limit)
-        event = await self._exchange(command, wire.Logits, timeout_s=self._options.score_timeout_s)
-        return event.reference()
-
-    async def score(
-        self,
-        prompt: str,
-        tokens: list[int],
-        reference: ReferenceLogits,
-        *,
-        parse_special: bool = False,
-    ) -> TokenScores:
-        """Teacher-force ``tokens`` after ``prompt``; the worker compares each row with
-        ``reference``'s and returns per-token KLD and top-1 (see ``Engine.score``)."""
-        ref = wire.Reference(str(reference.path), (reference.n_tokens, reference.n_vocab))
-        command = wire.Score(f"score.{next(self._ids)}", prompt, tokens, ref, parse_special)
-        event = await self._exchange(command, wire.Scores, timeout_s=self._options.score_timeout_s)
-        if len(event.kld) != len(tokens) or len(event.top1) != len(tokens):
-            raise EngineError(f"branch {self.name}: scores for the wrong number of tokens")
-        return event.scores()
-
     # -- generation -----------------------------------------------------------
 
     def generate(self, request: GenerationRequest) -> Generation:
@@ -589,6 +582,7 @@ class LlamaCppEngine:
             request.parse_special,
             request.prompt_ids,
             dict(request.trace_context) if request.trace_context else None,
+            spec=self._spec if drafts(request.sampling) else 0,
         )
         return Generation(self, command, counted=request.request_id != _WARMUP)
 

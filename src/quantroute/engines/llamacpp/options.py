@@ -27,6 +27,7 @@ pipe with this ``limit``); a longer one kills the reader, and the worker is rest
 # Read by the gateway only; not passed to the worker.
 _GATEWAY_ONLY = frozenset({"start_timeout_s", "gen_idle_timeout_s", "score_timeout_s", "gpu"})
 _DEFAULTS = {"sampler": "chain", "backend": "llamacpp"}  # passed only when not these
+_DRAFT = frozenset({"draft", "draft_gpu_layers", "spec_k_max", "spec_mode"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,13 @@ class WorkerOptions:
     # what computes the logits: llama.cpp over a GGUF, or ONNX Runtime over a model.onnx
     # (with the folder's tokenizer.gguf: argv's tokenizer_path); the rest of the worker is one
     backend: Literal["llamacpp", "onnx"] = "llamacpp"
+    # speculative decoding (``draft.py``): a GGUF of the model's vocabulary held beside it
+    # ("": none; a verified ``/proc/self/fd/N`` at a spawn), its GPU layers, the most
+    # tokens it drafts a step and how the worker picks how many (auto, always, fixed)
+    draft: str = ""
+    draft_gpu_layers: int = 0
+    spec_k_max: int = 8
+    spec_mode: Literal["auto", "always", "fixed"] = "auto"
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_event_bytes <= PIPE_LINE_LIMIT_BYTES // 2:
@@ -64,6 +72,12 @@ class WorkerOptions:
             raise ValueError("timeouts must be positive")
         if self.backend not in ("llamacpp", "onnx"):
             raise ValueError(f"backend must be llamacpp or onnx, not {self.backend!r}")
+        if self.spec_mode not in ("auto", "always", "fixed"):
+            raise ValueError(f"spec_mode must be auto, always or fixed, not {self.spec_mode!r}")
+        if not 1 <= self.spec_k_max <= 64:
+            raise ValueError(f"spec_k_max must lie in [1, 64], not {self.spec_k_max}")
+        if self.draft and self.backend != "llamacpp":
+            raise ValueError("a draft needs backend llamacpp (an ONNX worker drafts nothing)")
 
     def argv(self, model_path: Path, tokenizer_path: Path | None = None) -> list[str]:
         """The worker's command line: ``model_path`` (a GGUF, or an ONNX folder's
@@ -82,6 +96,9 @@ class WorkerOptions:
             elif key in ("fault", "oom_flag"):
                 if value:
                     argv += [f"--{key.replace('_', '-')}", value]
+            elif key in _DRAFT:
+                if self.draft:  # the draft's flags only with a draft
+                    argv += [f"--{key.replace('_', '-')}", str(value)]
             elif key == "prompt_cache":
                 if not value:
                     argv.append("--no-prompt-cache")

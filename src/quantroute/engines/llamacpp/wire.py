@@ -15,6 +15,7 @@ Commands (the worker's stdin)::
     {"op": "gen", "id": "r1", "prompt": "...", "s": {SamplingParams}, "special": false}
     {"op": "gen", "id": "r1", "prompt": "", "s": {...}, "prompt_ids": [1, 72, 105]}
     {"op": "gen", ..., "tc": {"traceparent": "00-...", "baggage": "..."}}  (when traced)
+    {"op": "gen", ..., "spec": 8}   (draft up to 8 tokens a step, where a draft is loaded)
     {"op": "logits", "id": "r2", "prompt": "...", "tokens": [101, 7], "path": "/dev/shm/..."}
     {"op": "score", "id": "r3", "prompt": "...", "tokens": [101, 7],
      "ref": {"path": "/dev/shm/...", "shape": [2, 354]}}
@@ -24,11 +25,12 @@ Commands (the worker's stdin)::
 
 Events (the worker's original stdout)::
 
-    {"ev": "ready", "info": {EngineInfo}}
-    {"ev": "start", "id": "r1", "pt": 12, "c": 8}   (when it gets a slot; c: reused tokens)
+    {"ev": "ready", "info": {EngineInfo}, "draft": "q4_k_m.gguf"}   (draft: when one is loaded)
+    {"ev": "start", "id": "r1", "pt": 12, "c": 8, "d": true}   (a slot; c: reused; d: drafted)
     {"ev": "toks", "b": [["r1", "def", 101], ["r2", " x", 7]]}   (one step's plain tokens)
     {"ev": "tok", "id": "r1", "t": "def", "tok": 101, "lp": -0.3, "p": "def", "top": [[7, "x", -2]]}
     {"ev": "fin", "id": "r1", "reason": "stop", "pt": 12, "ct": 40, "t": "", "tm": [ns, ns, ns]}
+    {"ev": "fin", ..., "dr": 30, "ac": 24, "k": 3.75, "sp": 1.2}   (a speculated gen: see Finished)
     {"ev": "logits", "id": "r2", "path": "...", "shape": [2, 354]}
     {"ev": "scores", "id": "r3", "kld": [0.0012, null], "top1": [true, false]}
     {"ev": "err", "id": "r1", "code": "context_length_exceeded", "msg": "...", "pt": 9, ...}
@@ -54,7 +56,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 import numpy as np
@@ -70,7 +72,11 @@ from quantroute.engines.base import (
     TokenScores,
 )
 
+MAX_SPEC = 64
+"""The most draft tokens a ``gen`` may ask for per step (``Generate.spec``)."""
+
 __all__ = [
+    "MAX_SPEC",
     "Cancel",
     "Command",
     "DecodeError",
@@ -115,6 +121,9 @@ class Generate(_Command, tag="gen", frozen=True):
     prompt_ids: tuple[int, ...] | None = None
     # the W3C trace context of the request's generation span: its "fin" then has "tm"
     trace: dict[str, str] | None = msgspec.field(default=None, name="tc")
+    # speculative decoding: draft up to this many tokens a step with the worker's draft
+    # model (0: plain; ignored by a worker without one, or for a sequence it cannot draft)
+    spec: Annotated[int, msgspec.Meta(ge=0, le=MAX_SPEC)] = 0
 
 
 class WriteLogits(_Command, tag="logits", frozen=True):
@@ -181,20 +190,24 @@ class _Event(msgspec.Struct, frozen=True, gc=False, omit_defaults=True, tag_fiel
 
 class Ready(_Event, tag="ready", frozen=True):
     """The model is loaded: the worker's first line (unless it could not load it: then
-    an :class:`Error` with no id saying why, and it exits 1)."""
+    an :class:`Error` with no id saying why, and it exits 1). ``draft``: the file name of
+    the draft model it speculates with (``None``: none loaded, or one refused)."""
 
     info: EngineInfo
+    draft: str | None = None
 
 
 class Started(_Event, tag="start", frozen=True):
-    """``id`` has a slot: its prompt's tokens, of which ``cached_tokens`` were reused."""
+    """``id`` has a slot: its prompt's tokens, of which ``cached_tokens`` were reused;
+    ``drafted``: the worker speculates for it (its draft proposes, the model verifies)."""
 
     id: str
     prompt_tokens: int = msgspec.field(name="pt")
     cached_tokens: int = msgspec.field(default=0, name="c")
+    drafted: bool = msgspec.field(default=False, name="d")
 
     def event(self) -> StartEvent:
-        return StartEvent(self.prompt_tokens, self.cached_tokens)
+        return StartEvent(self.prompt_tokens, self.cached_tokens, self.drafted)
 
 
 class Tokens(_Event, tag="toks", frozen=True):
@@ -221,7 +234,11 @@ class Token(_Event, tag="tok", frozen=True):
 
 class Finished(_Event, tag="fin", frozen=True):
     """``id`` ended; ``text`` is held-back text released at the end. ``stamps`` (a traced
-    ``gen``): wall-clock ns when it was admitted, got a slot and finished."""
+    ``gen``): wall-clock ns when it was admitted, got a slot and finished. A speculated
+    ``gen``: ``drafted`` tokens the draft proposed, ``accepted`` of them the model kept,
+    ``mean_k`` drafts per step that drafted (all 0: it was decoded plainly), and
+    ``speedup``: the worker's measured decode rate drafting over its plain rate now
+    (``AdaptiveK.speedup``; 0: not measured, as under ``--spec-mode always``)."""
 
     id: str
     reason: FinishReason
@@ -229,6 +246,10 @@ class Finished(_Event, tag="fin", frozen=True):
     completion_tokens: int = msgspec.field(name="ct")
     text: str = msgspec.field(default="", name="t")
     stamps: tuple[int, ...] = msgspec.field(default=(), name="tm")
+    drafted: int = msgspec.field(default=0, name="dr")
+    accepted: int = msgspec.field(default=0, name="ac")
+    mean_k: float = msgspec.field(default=0.0, name="k")
+    speedup: float = msgspec.field(default=0.0, name="sp")
 
     def event(self, *, held: bool = False) -> FinishEvent:
         return FinishEvent(
@@ -238,6 +259,10 @@ class Finished(_Event, tag="fin", frozen=True):
             self.text,
             self.stamps,
             held,
+            self.drafted,
+            self.accepted,
+            self.mean_k,
+            self.speedup,
         )
 
 

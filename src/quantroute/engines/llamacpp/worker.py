@@ -9,7 +9,8 @@ goes on. Its first line is ``ready``; a model that cannot load is instead an ``e
 (no id, code ``engine_error``) saying why, and the worker exits with status 1.
 
 ``--backend onnx`` serves an ONNX decoder folder instead of a GGUF: ``--model`` its
-``model.onnx``, ``--tokenizer`` its ``tokenizer.gguf``. Only the forward pass differs
+``model.onnx``, ``--tokenizer`` its ``tokenizer.gguf`` (and ``--onnx-data`` its
+``model.onnx.data``, where its weights lie beside the graph). Only the forward pass differs
 (``engines/onnx/worker_model.py``); everything below is the same code.
 
 The process is four parts: this module (the argv, the command reader, the loop),
@@ -54,6 +55,13 @@ worker wedged in a dying runtime can; ``hang-at-decode`` stops at a request's fi
 decode (not the warm-up's) for ever, its output open, as a worker spinning in a
 runaway grammar did.
 
+``--draft PATH`` loads a second GGUF of the same vocabulary beside the model, with the
+same slots and cells, and speculates with it for each greedy ``gen`` that asks (``spec``;
+:mod:`.worker_speculative`): it drafts up to ``spec`` tokens (at most ``--spec-k-max``),
+the model checks them in its step, and the text is the model's own greedy text. A draft
+whose vocabulary differs is refused in words (logged) and the worker serves plainly;
+``ready`` names the draft it loaded. An ONNX worker takes no draft.
+
 ``--oom-flag PATH`` (set for a branch on a simulated device): while the file exists,
 the device is out of memory, and each new client sequence fails its KV allocation
 with ``device_out_of_memory`` before its first token, so the gateway falls back;
@@ -73,13 +81,18 @@ from collections import deque
 from dataclasses import dataclass
 from typing import IO
 
+import numpy as np
+
 from quantroute.engines.base import FinishReason
 from quantroute.engines.llamacpp import wire
+from quantroute.engines.llamacpp.speculative import Draws
 from quantroute.engines.llamacpp.tokenizer import Pending, PromptTokenizer
 from quantroute.engines.llamacpp.worker_admission import Admission, Refused
 from quantroute.engines.llamacpp.worker_batch import Batcher
 from quantroute.engines.llamacpp.worker_model import LoadError, Model, WorkerModel
 from quantroute.engines.llamacpp.worker_output import Outbox
+from quantroute.engines.llamacpp.worker_sequence import Sequence
+from quantroute.engines.llamacpp.worker_speculative import SPEC_MODES, Drafter, load_draft
 from quantroute.types import WORKER_FAULTS
 
 log = logging.getLogger("quantroute.worker")
@@ -130,8 +143,26 @@ def load_model(args: argparse.Namespace) -> WorkerModel:
 
         if not args.tokenizer:
             raise LoadError("an onnx worker needs --tokenizer (the folder's tokenizer.gguf)")
-        return OnnxModel(args.model, args.tokenizer, quiet=quiet, **sizes)
+        data = args.onnx_data or None
+        return OnnxModel(args.model, args.tokenizer, quiet=quiet, data=data, **sizes)
+    if args.onnx_data:
+        raise LoadError("--onnx-data needs --backend onnx (a GGUF holds its own weights)")
     return Model(args.model, quiet=quiet, **sizes)
+
+
+def load_drafter(args: argparse.Namespace, model: WorkerModel) -> Drafter | None:
+    """The ``--draft`` model's drafter, or ``None`` (no ``--draft``, or one refused: the
+    worker serves plainly). Raises :class:`LoadError` for a draft an ONNX worker is given."""
+    if not args.draft:
+        return None
+    if args.backend != "llamacpp":
+        raise LoadError("--draft needs --backend llamacpp (an ONNX worker drafts nothing)")
+    quiet = args.log_level != "debug"
+    sizes = {"n_batch": args.n_batch, "n_threads": args.n_threads}
+    draft = load_draft(args.draft, model, n_gpu_layers=args.draft_gpu_layers, quiet=quiet, **sizes)
+    if draft is None:
+        return None
+    return Drafter(draft, args.draft, k_max=args.spec_k_max, mode=args.spec_mode)
 
 
 class Worker:
@@ -140,6 +171,7 @@ class Worker:
     def __init__(self, args: argparse.Namespace, out: IO[bytes]):
         self._fault = args.fault
         self.model = load_model(args)
+        self.drafter = load_drafter(args, self.model)
         self.outbox = Outbox(out, args.max_event_bytes)
         self.admission = Admission(self.model, args.sampler)
         self.batcher = Batcher(
@@ -148,6 +180,7 @@ class Worker:
             prompt_cache=args.prompt_cache,
             fault=args.fault,
             oom_flag=args.oom_flag,
+            drafter=self.drafter,
         )
         self.commands: queue.Queue[Queued] = queue.Queue()
         # Prompts are tokenized on a thread of their own (tokenizer.py); a command is
@@ -244,7 +277,33 @@ class Worker:
             except ValueError as exc:  # a command no gateway sends: it fails alone
                 self.outbox.emit(wire.Error(command.id, "bad_command", str(exc)))
                 continue
+            if isinstance(command, wire.Generate) and command.spec > 0:
+                self.speculate(seq, command.spec)
             self.batcher.add(seq)
+
+    def speculate(self, seq: Sequence, spec: int) -> None:
+        """Draft for ``seq`` if this worker has a draft and ``seq`` is greedy (the argmax of
+        its row, biases at most) or samples in llama.cpp's chain with no penalties and no
+        logprobs (its speculated tokens then follow ``engines/sampling.py``'s transformed
+        row, drawn from :class:`Draws` keyed by its seed); grammars, logprobs, penalties
+        and scoring decode plainly."""
+        if self.drafter is None or seq.first_scored >= 0:
+            return
+        if seq.argmax:
+            seq.spec = self.drafter.state(spec)
+            return
+        sampled = seq.chain is not None and not seq.wants_choice and not seq.penalties.active
+        if not sampled:
+            return
+        s = seq.sampling
+        bias = {t: b for t, b in s.logit_bias}
+        if s.ignore_eos:
+            bias |= dict.fromkeys(self.model.eog_tokens, -np.inf)
+        if bias:
+            seq.bias_ids = np.array(list(bias), dtype=np.int64)
+            seq.bias_values = np.array(list(bias.values()), dtype=np.float32)
+        key = int(seq.rng.integers(0, 2**63))  # the seed's own stream when seeded
+        seq.spec = self.drafter.state(spec, Draws(key))
 
     def _tokens(self, item: Held) -> list[int]:
         """A held command's prompt tokens: the tokenizer thread's, else tokenized here."""
@@ -283,6 +342,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="llamacpp: --model is a GGUF; onnx: --model is a model.onnx (ONNX Runtime)",
     )
     parser.add_argument("--tokenizer", default="", help="onnx: the folder's tokenizer.gguf")
+    parser.add_argument(
+        "--onnx-data", default="", help="onnx: the graph's external data file (model.onnx.data)"
+    )
     parser.add_argument("--oom-flag", default="")
     parser.add_argument("--n-ctx", type=int, default=0)
     parser.add_argument("--parallel", type=int, default=4)
@@ -308,6 +370,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="chain",
         choices=("chain", "numpy"),
         help="chain: llama.cpp's sampler chain; numpy: engines/sampling.py (a reference)",
+    )
+    parser.add_argument("--draft", default="", help="a GGUF of the same vocabulary to draft with")
+    parser.add_argument("--draft-gpu-layers", type=int, default=0)
+    parser.add_argument(
+        "--spec-k-max", type=int, default=8, help="most draft tokens a step, whatever gen asks"
+    )
+    parser.add_argument(
+        "--spec-mode",
+        default="auto",
+        choices=SPEC_MODES,
+        help="auto: draft while it pays; always: at least 1; fixed: the request's spec",
     )
     parser.add_argument(
         "--fault",
@@ -337,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         out.write(wire.encode(wire.Error("", "engine_error", str(exc))))
         out.flush()
         return 1
-    worker.outbox.emit(wire.Ready(worker.model.info()))
+    draft = worker.drafter.name if worker.drafter is not None else None
+    worker.outbox.emit(wire.Ready(worker.model.info(), draft))
     worker.flush()
     reader = threading.Thread(target=worker.read_commands, args=(sys.stdin.buffer,), daemon=True)
     reader.start()

@@ -15,6 +15,12 @@ nothing; a sequence that fails leaves its slot empty.
 A scoring job's rows go to its job (:mod:`.scoring`) instead of a sampler: at most
 ``max(16, 2**22 // V)`` scored rows a step, so a replay neither holds a ``[T, V]``
 array nor stalls the other sequences for long.
+
+A speculating sequence (``--draft``; :mod:`.worker_speculative`) puts ``[last, d_1..d_k]``
+into the step, each with its row, and may emit several tokens in one step; each goes
+through :meth:`Batcher._emit`, which ends the sequence exactly where plain decoding would
+(a stop, end-of-generation, ``max_tokens``, the context, the deadline). The cells of the
+drafts it did not keep are dropped, in both models.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import signal
 import time
 from collections import deque
 
+import msgspec
+
 from quantroute.engines.base import FinishReason
 from quantroute.engines.llamacpp import wire
 from quantroute.engines.llamacpp.prompt_cache import PromptCache
@@ -32,6 +40,8 @@ from quantroute.engines.llamacpp.worker_admission import scoring_failed
 from quantroute.engines.llamacpp.worker_model import Rows, WorkerModel
 from quantroute.engines.llamacpp.worker_output import Outbox
 from quantroute.engines.llamacpp.worker_sequence import Sequence, pick
+from quantroute.engines.llamacpp.worker_speculative import Drafter
+from quantroute.engines.sampling import Choice
 
 _SCORE_BLOCK_ELEMENTS = 1 << 22  # scored logits per decode step, at most (16 MiB of float32)
 
@@ -40,12 +50,22 @@ class Batcher:
     """The sequences waiting for a slot and those holding one, and the decode step.
 
     ``fault`` (``--fault``) and ``oom_flag`` (``--oom-flag``) are the worker's test
-    hooks that act at a decode; see :mod:`.worker`."""
+    hooks that act at a decode; see :mod:`.worker`. ``drafter``: the draft model
+    speculating sequences draft with (``--draft``)."""
 
     def __init__(
-        self, model: WorkerModel, outbox: Outbox, *, prompt_cache: bool, fault: str, oom_flag: str
+        self,
+        model: WorkerModel,
+        outbox: Outbox,
+        *,
+        prompt_cache: bool,
+        fault: str,
+        oom_flag: str,
+        drafter: Drafter | None = None,
     ):
         self._model = model
+        self.drafter = drafter
+        self._timed: tuple[float, float, bool] | None = None  # last step: began, ended, counted
         self._out = outbox
         self._fault = fault
         self._oom_flag = oom_flag  # a simulated device's: allocations fail while it exists
@@ -86,7 +106,7 @@ class Batcher:
         if seq.stamps is not None:
             seq.stamps.append(time.time_ns())
         self.active[seq.rid] = seq
-        self._out.emit(wire.Started(seq.rid, len(seq.prompt), reused))
+        self._out.emit(wire.Started(seq.rid, len(seq.prompt), reused, seq.spec is not None))
 
     def release(self, seq: Sequence, *, keep: bool = False) -> None:
         """The sequence is done: forget it and free its slot. ``keep`` (a generation that
@@ -94,10 +114,14 @@ class Batcher:
         job) they are cleared, so what a slot holds is always what a finished sequence fed."""
         del self.active[seq.rid]
         if keep and self.slots.enabled and seq.first_scored < 0:
+            if seq.spec is not None:  # it may have ended inside a kept run: drop the rest
+                self._model.keep_prefix(seq.slot, seq.n_past)
             self.slots.put(seq.slot, (seq.prompt + seq.out)[: seq.n_past])
         else:
             self._model.clear(seq.slot)
             self.slots.put(seq.slot, [])
+            if self.drafter is not None:
+                self.drafter.forget(seq.slot)
         self.close_job(seq)
 
     def close_job(self, seq: Sequence) -> None:
@@ -123,7 +147,18 @@ class Batcher:
         cancelled = reason is FinishReason.CANCELLED
         text = "" if cancelled else seq.stops.feed(tail) + seq.stops.flush()
         stamps = () if seq.stamps is None else (*seq.stamps, time.time_ns())
-        self._out.emit(wire.Finished(seq.rid, reason, len(seq.prompt), seq.generated, text, stamps))
+        fin = wire.Finished(seq.rid, reason, len(seq.prompt), seq.generated, text, stamps)
+        if seq.spec is not None and seq.spec.cycles:
+            spec = seq.spec
+            speedup = self.drafter.control.speedup if self.drafter is not None else 0.0
+            fin = msgspec.structs.replace(
+                fin,
+                drafted=spec.drafted,
+                accepted=spec.accepted,
+                mean_k=round(spec.mean_k, 3),
+                speedup=round(speedup, 3),
+            )
+        self._out.emit(fin)
         self.release(seq, keep=True)
 
     def finish_score(self, seq: Sequence) -> None:
@@ -169,20 +204,50 @@ class Batcher:
 
     def step(self) -> None:
         """One decode (``llama_decode``, or the model's own) of every decoding sequence's
-        next token and the prompt slices that fit, then every sequence's next token."""
+        next token and the prompt slices that fit, then every sequence's next token. With
+        a drafter, a step's time is what its ``k`` is weighed by (:meth:`_time_last`)."""
+        if self.drafter is None:
+            self._step()
+            return
+        began = time.perf_counter()
+        self._time_last(began)
+        counted = not any(seq.prefilling for seq in self.active.values())
+        self._step()
+        self._timed = (began, time.perf_counter(), counted)
+
+    def _time_last(self, now: float) -> None:
+        """Tell the drafter the last step's time: from its start to this one's, so the
+        loop's work between steps (sending the tokens, reading commands), a cost per
+        step, counts too; its own time alone when the loop waited longer than it ran
+        (idle, nothing to decode). Steps that fed prompts are not counted."""
+        assert self.drafter is not None
+        if self._timed is not None:
+            began, ended, counted = self._timed
+            took = now - began if now - ended <= ended - began else ended - began
+            self.drafter.timed_step(took, counted=counted)
+        self._timed = None
+
+    def _step(self) -> int:
+        """:meth:`step`; how many drafted tokens it checked."""
         if self._oom_flag and os.path.exists(self._oom_flag):
             self._refuse_new_sequences()
         model = self._model
-        n = 0
+        drafted = self._propose() if self.drafter is not None else 0
+        n = rows_asked = 0
         outputs: list[tuple[int, Sequence]] = []
         scoring: list[tuple[int, Sequence]] = []
         for seq in self.active.values():  # decoding sequences first: one token each
             if seq.next_token is not None and not seq.paused:
-                model.put(n, seq.next_token, seq.n_past, seq.slot, True)
                 outputs.append((n, seq))
-                seq.n_past += 1
-                seq.next_token = None
+                model.put(n, seq.next_token, seq.n_past, seq.slot, True)
                 n += 1
+                if seq.spec is not None:  # [last, d_1..d_k]
+                    for j, token in enumerate(seq.spec.drafts, 1):
+                        model.put(n, token, seq.n_past + j, seq.slot, True)
+                        n += 1
+                seq.n_past += 1  # the drafts' cells count once kept (_advance_drafted)
+                seq.next_token = None
+        rows_asked = n
         budget = self.score_rows_per_step
         for seq in self.active.values():  # then prompt slices, as room allows
             if seq.prefilling and n < model.n_batch and not seq.paused:
@@ -202,11 +267,12 @@ class Batcher:
                         scoring.append((n, seq))
                     elif last:
                         outputs.append((n, seq))
+                    rows_asked += last or scored
                     seq.n_past += 1
                     n += 1
                 seq.fed += take
         if n == 0:  # every sequence left is paused (or was just refused): nothing to decode
-            return
+            return drafted
         rc = self._decode(n)
         if rc != 0:
             # 1: no KV room for the batch; -2: a compute buffer could not be allocated.
@@ -214,11 +280,14 @@ class Batcher:
             words = model.decode_failure(rc)
             for seq in list(self.active.values()):
                 self.fail(seq, words, code)
-            return
-        argmax = any(seq.argmax for _, seq in outputs)
-        rows = model.rows(len(outputs) + len(scoring)) if argmax else None
+            return drafted
+        argmax = any(seq.argmax or seq.spec is not None for _, seq in outputs)
+        rows = model.rows(rows_asked) if argmax else None
         for index, seq in outputs:
-            self._advance(seq, index, rows)
+            if seq.spec is not None and seq.spec.drafts and rows is not None:
+                self._advance_drafted(seq, index, rows)
+            else:
+                self._advance(seq, index, rows)
         failed: set[str] = set()
         for index, seq in scoring:
             if seq.rid in failed or seq.job is None:
@@ -231,6 +300,7 @@ class Batcher:
         for seq in {id(s): s for _, s in scoring}.values():
             if seq.rid not in failed and seq.rid in self.active and not seq.prefilling:
                 self.finish_score(seq)
+        return drafted
 
     def _decode(self, n: int) -> int:
         """``llama_decode`` of the batch's ``n`` entries, or what a ``--fault`` makes of it."""
@@ -264,18 +334,58 @@ class Batcher:
                 words = "out of memory: no room on the device for the sequence's KV cache"
                 self.fail(seq, words, "device_out_of_memory")
 
+    def _propose(self) -> int:
+        """This step's drafts of the speculating sequences (the drafter's decodes), as many
+        as the batch has room for beside every decoding sequence's token; how many."""
+        drafter, model = self.drafter, self._model
+        assert drafter is not None
+        decoding = [s for s in self.active.values() if s.next_token is not None and not s.paused]
+        room = model.n_batch - len(decoding)
+        wanted: list[tuple[Sequence, int]] = []
+        for seq in decoding:
+            if seq.spec is None:
+                continue
+            k = min(drafter.k_for(seq, model.n_ctx), room)
+            if k > 0:
+                wanted.append((seq, k))
+                room -= k
+            else:
+                seq.spec.drafts = []
+        drafter.propose(wanted)
+        return sum(len(s.spec.drafts) for s, _ in wanted if s.spec is not None)
+
+    def _advance_drafted(self, seq: Sequence, index: int, rows: Rows) -> None:
+        """A speculating sequence's step: entries ``index..index+k`` held its last token
+        and its drafts; keep the drafts the model's own greedy tokens agree with, drop
+        the cells of the rest (both models), and emit the kept ones and the model's next
+        token, each as plain decoding would, until one ends the sequence."""
+        assert self.drafter is not None and seq.spec is not None
+        drafts = seq.spec.drafts
+        verdict = self.drafter.verdict(self._model, seq, index, rows)
+        base = seq.n_past  # the last token's cell is base - 1; the drafts' follow it
+        if verdict.accepted < len(drafts):
+            self._model.keep_prefix(seq.slot, base + verdict.accepted)
+        for j, token in enumerate(verdict.emitted(drafts)):
+            seq.n_past = base + j  # as plain decoding would have it at this token
+            if not self._emit(seq, token, None):
+                return
+
     def _advance(self, seq: Sequence, index: int, rows: Rows | None) -> None:
         """Take ``seq``'s next token from its row, send what it adds, and end it at a stop,
         its ``max_tokens``, the context's end or its deadline."""
-        model = self._model
-        token, choice = pick(model, seq, index, rows)
+        token, choice = pick(self._model, seq, index, rows)
         if token < 0:  # a grammar with no way on (the closing path said there was one)
             self.finish(seq, FinishReason.LENGTH)
             return
+        self._emit(seq, token, choice)
+
+    def _emit(self, seq: Sequence, token: int, choice: Choice | None) -> bool:
+        """Emit ``token``; False when it ended the sequence (it is then finished)."""
+        model = self._model
         if model.is_eog(token):
             closed = seq.grammar is not None and seq.grammar.closing
             self.finish(seq, FinishReason.LENGTH if closed else FinishReason.STOP)
-            return
+            return False
         if seq.grammar is not None:
             seq.grammar.accept(token)
         if seq.counts is not None and seq.seen is not None:
@@ -301,6 +411,8 @@ class Batcher:
             self.finish(seq, FinishReason.DEADLINE)  # the client stops waiting: so do we
         else:
             seq.next_token = token
+            return True
+        return False
 
 
 def _die_of(sig: signal.Signals) -> None:

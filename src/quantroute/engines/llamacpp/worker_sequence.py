@@ -22,6 +22,7 @@ from quantroute.engines.llamacpp.constrained import Grammar
 from quantroute.engines.llamacpp.sampler_chain import SamplerChain
 from quantroute.engines.llamacpp.scoring import ScoringJob
 from quantroute.engines.llamacpp.worker_model import Rows, WorkerModel
+from quantroute.engines.llamacpp.worker_speculative import SpecState
 from quantroute.engines.sampling import (
     Choice,
     Penalties,
@@ -70,6 +71,7 @@ class Sequence:
     # a traced request (its gen command carried a trace context): wall-clock ns when
     # admitted, given a slot, finished; sent back on "fin" for the gateway's decode span
     stamps: list[int] | None = None
+    spec: SpecState | None = None  # speculative decoding (worker_speculative.py)
 
     @property
     def prefilling(self) -> bool:

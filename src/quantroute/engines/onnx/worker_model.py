@@ -30,16 +30,43 @@ would more than double the rows computed runs the single tokens as a second call
 row of a call is ``T`` long: a sequence padded to a 500-token prompt costs 500 tokens'
 work).
 
-The model is loaded from the bytes of the file the worker was given (a path, or the
-descriptor the gateway opened and verified, ``/proc/self/fd/N``): ONNX Runtime serves
-exactly those bytes. So a folder whose weights lie beside ``model.onnx``
-(``model.onnx.data``, past 1.5 GiB) cannot be served yet: its load fails, in words.
+ONNX Runtime loads the model from the file itself, never from bytes read here: the worker
+opens the path it was given once (a plain path, or ``/proc/self/fd/N``, the descriptor
+the gateway opened and verified by sha256) and hands ONNX Runtime that open file's
+``/proc/self/fd/M``. Opening a ``/proc/self/fd`` entry opens the inode the descriptor
+holds, not whatever the folder names now: a file renamed over ``model.onnx`` after the
+gateway verified it is not what loads, so the session serves exactly the verified
+bytes, and the size the worker reports (``fstat``) is that file's. From bytes, the
+Python session would keep them for its life (one copy of the weights, ``W``, more
+resident; 1 to 1.5 W more at the load's peak; ``docs/memory-model.md``). Only the ONNX
+format loads (``session.load_model_format``), whatever the bytes say. Once the session
+is built, the heap its load freed goes back to the system (glibc's ``malloc_trim``:
+glibc would keep ~0.4 W, ~1.1 W for a float16 graph).
+
+A folder whose weights lie beside ``model.onnx`` (``model.onnx.data``, ONNX external
+data: past 1.5 GiB) is given as two files, the graph and ``data`` (the gateway's
+verified descriptors, or paths). ONNX Runtime finds external data by the name the graph
+records, relative to the graph's folder; beside ``/proc/self/fd/M`` there is no such
+folder, and links to ``/proc/self/fd`` entries do not do (it resolves each path to its
+canonical name, which for a file renamed over since is a ``... (deleted)`` that does
+not exist). So the worker opens both files, reads the name the graph's external tensors
+give (``registry.onnx_check.external_location``, bounded reads of the graph: the
+registry checked it is the declared file's, and each tensor lies inside it), maps the
+data descriptor read-only and hands ONNX Runtime that mapping under that name
+(``add_external_initializers_from_files_in_memory``): it copies each tensor's bytes out
+of the mapping while it builds the session (the mapping's pages are the file's own, not
+a copy, and are unmapped once the session is built), so the session holds exactly the
+verified bytes whatever the folder names now. Without ``data``, a graph with external
+data is refused by ONNX Runtime, in words.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import os
+import stat
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +76,8 @@ import onnxruntime as ort  # type: ignore[import-untyped]
 
 from quantroute.engines.base import EngineInfo
 from quantroute.engines.llamacpp.worker_model import LoadError, Rows, Vocabulary, llama_init
-from quantroute.engines.onnx.layout import LOGITS_TO_KEEP, past_names, present_names
+from quantroute.engines.onnx.layout import LOGITS_TO_KEEP, MODEL_FILE, past_names, present_names
+from quantroute.errors import ArtifactIntegrityError
 
 if TYPE_CHECKING:
     from quantroute.engines.llamacpp.sampler_chain import SamplerChain
@@ -114,7 +142,8 @@ class OnnxModel(Vocabulary):
     """``model.onnx`` in an ONNX Runtime session (CPU; CUDA's provider first where asked
     for, ``n_gpu_layers`` non-zero, and installed), ``tokenizer.gguf``'s vocabulary, and
     ``parallel`` slots of ``n_ctx`` cells each (``n_ctx`` 0: the training context the
-    tokenizer's metadata gives). A batch holds ``n_batch`` entries."""
+    tokenizer's metadata gives). A batch holds ``n_batch`` entries. ``data``: the graph's
+    external data file (``model.onnx.data``; module docstring)."""
 
     def __init__(
         self,
@@ -127,6 +156,7 @@ class OnnxModel(Vocabulary):
         n_threads: int = 0,
         n_gpu_layers: int = 0,
         quiet: bool = True,
+        data: str | None = None,
     ):
         llama_init(quiet)
         params = lc.llama_model_default_params()
@@ -142,10 +172,9 @@ class OnnxModel(Vocabulary):
             raise LoadError("tokenizer.gguf gives no context length: set the branch's n_ctx")
         self.parallel = parallel
         self.n_batch = n_batch
-        data = _read(path)
-        self.model_bytes = len(data)
-        self.session = _session(data, n_threads or os.cpu_count() or 1, n_gpu_layers != 0, quiet)
-        del data  # the session holds its own copy of the weights
+        self.model_bytes, self.session = _load(
+            path, n_threads or os.cpu_count() or 1, n_gpu_layers != 0, quiet, data
+        )
         self.shape = shape = GraphShape.of(self.session)
         if shape.n_vocab is not None and shape.n_vocab != self.n_vocab:
             raise LoadError(
@@ -323,18 +352,106 @@ def _calls(groups: list[tuple[int, list[int]]], n: int) -> list[list[tuple[int, 
     return [calls for calls in (singles, others) if calls]
 
 
-def _read(path: str) -> bytes:
-    """The bytes of ``model.onnx`` (the gateway's verified descriptor, or a path)."""
+def _load(
+    path: str, n_threads: int, gpu: bool, quiet: bool, data: str | None = None
+) -> tuple[int, Any]:
+    """The model's size (``model.onnx``'s, and ``data``'s where given) and its session,
+    of the files ``path`` and ``data`` open (the gateway's verified descriptors, or
+    paths): ONNX Runtime reads them through ``/proc/self/fd`` (module docstring)."""
+    fds: list[int] = []
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        size = _open(path, MODEL_FILE, fds)
+        graph = f"/proc/self/fd/{fds[0]}"
+        if data is None:
+            session = _session(graph, n_threads, gpu, quiet)
+        else:
+            data_size = _open(data, "the data file", fds)
+            name = _data_name(fds[0], size, data_size)
+            weights = _mapped(fds[1], data_size)
+            try:
+                session = _session(graph, n_threads, gpu, quiet, (name, weights))
+            finally:
+                _unmap(weights)
+            size += data_size
+    finally:
+        for fd in fds:  # the session holds the weights; the files are no longer read
+            os.close(fd)
+    _release_freed_heap()
+    return size, session
+
+
+def _open(path: str, what: str, fds: list[int]) -> int:
+    """Open ``path`` (a regular file) into ``fds``; its size. :class:`LoadError` in words."""
+    try:
+        fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as exc:
+        raise LoadError(f"{what} cannot be read ({exc.strerror})") from exc
+    info = os.fstat(fds[-1])
+    if not stat.S_ISREG(info.st_mode):
+        raise LoadError(f"{what} cannot be read (not a regular file)")
+    return info.st_size
+
+
+def _data_name(fd: int, size: int, data_size: int) -> str:
+    """The name the graph open as ``fd`` gives its external data file (bounded reads of
+    its protobuf, no weights), checked against a data file of ``data_size`` bytes."""
+    # imported here: the registry package would add ~20 MiB to every ONNX worker
+    from quantroute.registry.onnx_check import external_location
+
+    try:
+        with open(fd, "rb", closefd=False) as fh:
+            name = external_location(fh, size, data_size)
+    except ArtifactIntegrityError as exc:
+        raise LoadError(f"model.onnx with its data file cannot be served: {exc.message}") from None
     except OSError as exc:
         raise LoadError(f"model.onnx cannot be read ({exc.strerror})") from exc
+    if name is None:
+        raise LoadError("a data file was given, and model.onnx keeps no tensor in another file")
+    return name
 
 
-def _session(data: bytes, n_threads: int, gpu: bool, quiet: bool) -> Any:
-    """An ONNX Runtime session of ``data``, run by ``n_threads`` threads."""
+def _mapped(fd: int, size: int) -> mmap.mmap:
+    """The data file open as ``fd``, mapped read-only (its own pages: no copy)."""
+    if size == 0:
+        raise LoadError("the data file is empty")
+    try:
+        return mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    except (OSError, ValueError) as exc:
+        raise LoadError(f"the data file cannot be mapped ({exc})") from exc
+
+
+def _unmap(weights: mmap.mmap) -> None:
+    """Unmap ``weights`` (ONNX Runtime copied what it needs); one still exported to a
+    buffer that has not been let go of is left to the collector."""
+    try:
+        weights.close()
+    except BufferError:
+        log.debug("the data file's mapping is still referenced: unmapped when collected")
+
+
+def _release_freed_heap() -> None:
+    """Hand the heap the load freed back to the system (glibc's ``malloc_trim``; nothing
+    elsewhere): the parsed protobuf and the initializers' first copies, which glibc would
+    otherwise keep resident for the arena's later growth."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def _session(
+    path: str, n_threads: int, gpu: bool, quiet: bool, data: tuple[str, mmap.mmap] | None = None
+) -> Any:
+    """An ONNX Runtime session of the ONNX graph at ``path``, run by ``n_threads`` threads;
+    ``data``: its external data file's contents, under the name the graph gives it."""
     options = ort.SessionOptions()
+    if data is not None:
+        name, weights = data
+        view = memoryview(weights)
+        try:
+            options.add_external_initializers_from_files_in_memory([name], [view], [len(view)])
+        finally:
+            view.release()
+    options.add_session_config_entry("session.load_model_format", "ONNX")
     options.intra_op_num_threads = n_threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -346,6 +463,6 @@ def _session(data: bytes, n_threads: int, gpu: bool, quiet: bool) -> Any:
         else:
             log.warning("a GPU was asked for, but this onnxruntime has no CUDA provider: CPU")
     try:
-        return ort.InferenceSession(data, options, providers=providers)
+        return ort.InferenceSession(path, options, providers=providers)
     except Exception as exc:  # ONNX Runtime's errors share no base but Exception
         raise LoadError(f"onnxruntime could not load model.onnx: {exc}") from exc

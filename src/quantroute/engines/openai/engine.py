@@ -259,9 +259,8 @@ class OpenAIEngine:
         self._healthy = False
         if self._probe is not None:
             self._probe.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._probe
-            self._probe = None
+            await asyncio.wait({self._probe})  # its end, not its error: a cancel of stop() is
+            self._probe = None  # stop()'s own, and goes on up
         for client in (self._client, self._probes):
             if client is not None:
                 await client.aclose()
@@ -275,7 +274,9 @@ class OpenAIEngine:
         await self.start()
 
     async def _probe_loop(self) -> None:
-        while True:
+        # ``_stopped`` too, not only the cancellation: Python 3.11's wait_for loses a cancel
+        # that lands as the awaited call completes, and stop() would wait forever
+        while not self._stopped:
             await asyncio.sleep(self._config.probe_interval_s)
             try:
                 await self.probe()
