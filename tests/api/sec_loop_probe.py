@@ -8,18 +8,22 @@ answer, less the pause between probes: a stall shows whichever way it holds the 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import httpx
 
 
-@contextlib.contextmanager
-def healthz_timed(port: int, every_s: float = 0.01) -> Iterator[list[float]]:
+@contextlib.asynccontextmanager
+async def healthz_timed(port: int, every_s: float = 0.01) -> AsyncIterator[list[float]]:
     """While inside: ``/healthz`` on ``port`` every ``every_s``; the list of latencies (s)
-    fills as they come (and once more at the end: a stall still in flight counts)."""
+    fills as they come (and once more at the end: a stall still in flight counts).
+
+    The thread is joined from another thread: the server runs on the caller's loop, and
+    a probe in flight when it stops needs that loop to answer it."""
     latencies: list[float] = []
     stop = threading.Event()
 
@@ -40,4 +44,4 @@ def healthz_timed(port: int, every_s: float = 0.01) -> Iterator[list[float]]:
         yield latencies
     finally:
         stop.set()
-        thread.join(130)
+        await asyncio.to_thread(thread.join, 130)

@@ -96,11 +96,11 @@ async def _while_timed(app: Any, send: Any) -> tuple[list[float], Any]:
     async with (
         live(app) as port,
         httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http,
+        healthz_timed(port) as health,
     ):
-        with healthz_timed(port) as health:
-            await asyncio.sleep(0.1)
-            result = await send(http)
-            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)
+        result = await send(http)
+        await asyncio.sleep(0.1)
     return health, result
 
 

@@ -97,7 +97,7 @@ async def test_healthz_stays_fast_while_the_reviews_bodies_arrive() -> None:
         httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as http,
     ):
         answers = []
-        with healthz_timed(port) as health:
+        async with healthz_timed(port) as health:
             await asyncio.sleep(0.1)
             for size in (40_000, 80_000, 1_000_000):  # the last just under the 1 MiB limit
                 for path in PATHS:
