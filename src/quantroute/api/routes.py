@@ -6,7 +6,6 @@ router (:class:`GenerationRoutes`); the rest are FastAPI routes."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
@@ -44,6 +43,7 @@ from quantroute.errors import InvalidRequestError
 from quantroute.observability.dashboard import DASHBOARD_HEADERS, DASHBOARD_HTML
 from quantroute.resilience.resume import Stream, StreamStore
 from quantroute.resilience.tenants import Tenant
+from quantroute.tasks import cancel_and_wait
 
 router = APIRouter()
 Client = Annotated[Tenant, Depends(require_client)]  # the tenant of the request's key
@@ -105,10 +105,10 @@ async def _respond(
         await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not collect.done():  # the client left: stop generating for it
-            collect.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await collect
+        if not collect.done():  # the client left, or this handler is cancelled: stop generating
+            await cancel_and_wait(collect)
+    if not collect.cancelled():
+        collect.result()  # an error it ended with is the request's
     return JSONResponse(renderer.whole(), headers=_headers(run))
 
 

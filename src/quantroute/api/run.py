@@ -19,6 +19,7 @@ from quantroute.engines.base import (
 )
 from quantroute.errors import EngineError
 from quantroute.routing.table import Branch
+from quantroute.tasks import cancel_and_wait
 
 RUN_BUFFER_EVENTS = 64  # a run's events waiting for its reader, per choice
 
@@ -352,8 +353,7 @@ class Run:
         for task in self._pumps:
             task.cancel()
         for task in self._pumps:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         for stream in self._streams:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:

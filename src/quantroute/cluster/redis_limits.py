@@ -34,7 +34,6 @@ the windows converge on what the fleet really admitted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -44,6 +43,7 @@ from typing import Any
 
 from quantroute.cluster.redis_link import FAILURES, RedisLink
 from quantroute.resilience.tenants import WINDOW_S, Tenant, TenantLimits
+from quantroute.tasks import cancel_and_wait
 
 __all__ = ["RedisTenantLimits"]
 
@@ -286,11 +286,8 @@ class RedisTenantLimits:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="redis-limits")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._backlog and self._link.up:
             await self._send()
 

@@ -38,6 +38,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from quantroute.tasks import cancel_and_wait
+
 __all__ = ["FAILURES", "RedisKeys", "RedisLink", "RedisTimings"]
 
 log = logging.getLogger(__name__)
@@ -257,11 +259,8 @@ class RedisLink:
 
     async def close(self) -> None:
         """Leave the fleet (readers of this gateway's streams learn it at once) and close."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self.up:
             with contextlib.suppress(*FAILURES):
                 async with asyncio.timeout(self.timings.command_timeout_s):

@@ -49,6 +49,7 @@ from quantroute.cluster.redis_stream_reader import CopyReader
 from quantroute.config import StreamSettings
 from quantroute.resilience.resume import RemoteCopy
 from quantroute.resilience.stream import token_digest
+from quantroute.tasks import cancel_and_wait
 
 __all__ = ["StreamReplicator"]
 
@@ -251,11 +252,8 @@ class StreamReplicator:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="redis-streams")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._dirty and self._link.up:  # the ends of streams the store just closed
             batch, self._dirty = self._dirty, {}
             await self._flush(batch.values())

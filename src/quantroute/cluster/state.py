@@ -27,7 +27,6 @@ etcd answers (``cluster/sync.py``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -48,6 +47,7 @@ from quantroute.errors import ServiceUnavailableError
 from quantroute.resilience.tenants import Tenants
 from quantroute.routing.table import RouteTable, RouteTableRef
 from quantroute.routing.versions import VersionSplit
+from quantroute.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +130,8 @@ class ClusterState:
         )
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._client is not None:
             await self._client.aclose()
             self._client = None

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from quantroute.engines.exits import crashed, describe_exit
 from quantroute.errors import ArtifactIntegrityError, EngineCrashedError, EngineUnavailableError
+from quantroute.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -238,11 +239,8 @@ class WorkerSupervisor:
         return first
 
     async def _end_loop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         # a task cancelled before its first step never runs _supervise's ``finally``:
         # whoever waits for this loop's first start must not wait for ever
         self._resolve_first(EngineUnavailableError("stopped before the worker was ready"))

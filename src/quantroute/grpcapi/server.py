@@ -17,7 +17,6 @@ metadata by ``server.max_header_bytes``."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
@@ -32,6 +31,7 @@ from quantroute.grpcapi.keys import Keys
 from quantroute.grpcapi.proto import SERVICE_NAME, pb_grpc
 from quantroute.grpcapi.servicer import Servicer
 from quantroute.resilience.tenants import Tenants
+from quantroute.tasks import cancel_and_wait
 
 __all__ = ["HEALTH_POLL_S", "GrpcServer", "start_grpc"]
 
@@ -84,10 +84,7 @@ class GrpcServer:
     async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """NOT_SERVING from now on; new calls refused, those in flight given ``grace_s``
         to finish, then cancelled (which cancels their generations)."""
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+        await cancel_and_wait(self._watch)
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace_s)
 

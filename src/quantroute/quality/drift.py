@@ -47,6 +47,7 @@ import numpy.typing as npt
 
 from quantroute.config import DriftSettings
 from quantroute.engines.base import EngineInfo, ReferenceLogits, TokenScores
+from quantroute.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -340,10 +341,7 @@ class DriftMonitor:
         self._task = asyncio.create_task(self._run(), name="drift-monitor")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         if self._reference:

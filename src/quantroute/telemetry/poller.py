@@ -10,13 +10,13 @@ with jitter and keeps the last good devices, which age into staleness.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
+from quantroute.tasks import cancel_and_wait
 from quantroute.telemetry.health import HealthTracker
 from quantroute.telemetry.protocol import DeviceProvider
 from quantroute.telemetry.snapshot import DeviceSnapshot
@@ -157,8 +157,4 @@ class DevicePoller:
     async def stop(self) -> None:
         """Cancel the loop and wait for it; a read in flight finishes in its thread."""
         task, self._task = self._task, None
-        if task is None:
-            return
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)

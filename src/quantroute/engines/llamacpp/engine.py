@@ -73,6 +73,7 @@ from quantroute.errors import (
     EngineUnavailableError,
 )
 from quantroute.registry.verified import VerifiedFile
+from quantroute.tasks import cancel_and_wait
 from quantroute.types import Offload
 
 __all__ = [
@@ -256,10 +257,7 @@ class LlamaCppEngine(ScoringExchange):
         self._ready = False
         self._accepting = False
         await self._supervisor.stop()
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+        await cancel_and_wait(self._reader)
         self._files.release()
         self._fail_all(EngineUnavailableError(f"branch {self.name} is shutting down"))
 
