@@ -21,6 +21,7 @@ from api.sec_loop_probe import healthz_timed
 from qrtest import fake_table, live, serving
 from quantroute.api import grammars
 from quantroute.api.app import create_app
+from quantroute.api.schemas import ChatCompletionRequest
 from quantroute.config import load_settings
 from quantroute.shaping import grammar
 
@@ -38,6 +39,10 @@ tenants:
   two-a-minute:
     keys: ["sk-two"]
     requests_per_minute: 2
+  busy:
+    keys: ["sk-busy"]
+  other:
+    keys: ["sk-other"]
 """
 
 
@@ -161,6 +166,41 @@ async def test_requests_wait_for_a_compile_slot_and_then_get_503(slow_convert: l
     assert grammars.AT_ONCE == 2 and statuses == [200, 200, 503], [r.text for r in answers]
     shed = next(r for r in answers if r.status_code == 503)
     assert shed.headers["retry-after"] == "1"
+
+
+async def test_a_tenant_holds_one_compile_slot_and_leaves_the_other_to_others(
+    tmp_path: Path, slow_convert: list[float]
+) -> None:
+    """Before: one key sending costly schemas within its rate limit held both slots, and
+    every other key's schema requests waited for them, then got 503s."""
+    slow_convert[0] = 0.6
+    mine = [CHAT | _format({"type": "string", "maxLength": n}) for n in (1, 2)]
+    theirs = CHAT | _format({"type": "string", "maxLength": 3})
+    async with serving(_app(tmp_path, compile_timeout_s=0.2)) as (http, _):
+        answers = await asyncio.gather(
+            *(http.post("/v1/chat/completions", json=b, headers=_key("sk-busy")) for b in mine),
+            http.post("/v1/chat/completions", json=theirs, headers=_key("sk-other")),
+        )
+    assert sorted(r.status_code for r in answers[:2]) == [200, 429], [r.text for r in answers]
+    assert answers[2].status_code == 200, answers[2].text
+    limited = next(r for r in answers[:2] if r.status_code == 429)
+    assert limited.headers["retry-after"] == "1"
+    assert "compiling as many grammars as it may" in limited.json()["error"]["message"]
+
+
+async def test_a_tenants_own_slots_are_kept_only_while_it_compiles(
+    slow_convert: list[float],
+) -> None:
+    slow_convert[0] = 0.3
+    work = grammars.Grammars(timeout_s=0.1)
+    reqs = [
+        ChatCompletionRequest.model_validate(CHAT | _format({"type": "string", "maxLength": n}))
+        for n in (1, 2)
+    ]
+    outcomes = await asyncio.gather(*(work.of(r, "t") for r in reqs), return_exceptions=True)
+    assert sorted(type(o).__name__ for o in outcomes) == ["RateLimitError", "str"]
+    assert work._own == {}
+    assert await work.of(reqs[0]) is not None and work._own == {}
 
 
 async def test_a_schema_past_its_cpu_budget_is_a_400_remembered(

@@ -205,7 +205,7 @@ class Service:
                 f"this key is over its {limit.replace('_', ' ')} limit", retry_after_s=retry_s
             )
         try:  # what the client chose to cost: after the limits, off the loop, bounded
-            grammar = await self._grammars.of(req)
+            grammar = await self._grammars.of(req, None if tenant is OPEN else tenant.name)
         except BaseException:
             tenant_limits.finished(tenant, 0)  # it ran: it counts in the tenant's minute
             raise
