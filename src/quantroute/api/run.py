@@ -19,7 +19,6 @@ from quantroute.engines.base import (
 )
 from quantroute.errors import EngineError
 from quantroute.routing.table import Branch
-from quantroute.tasks import cancel_and_wait
 
 RUN_BUFFER_EVENTS = 64  # a run's events waiting for its reader, per choice
 
@@ -353,7 +352,11 @@ class Run:
         for task in self._pumps:
             task.cancel()
         for task in self._pumps:
-            await cancel_and_wait(task)
+            # not tasks.cancel_and_wait: close() runs in the ``finally`` of a reader that is
+            # being cancelled (anyio cancels a cancelled scope again at each of its awaits)
+            # and must still do the accounting below
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         for stream in self._streams:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
