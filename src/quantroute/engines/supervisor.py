@@ -239,11 +239,13 @@ class WorkerSupervisor:
         return first
 
     async def _end_loop(self) -> None:
-        await cancel_and_wait(self._task)
-        self._task = None
-        # a task cancelled before its first step never runs _supervise's ``finally``:
-        # whoever waits for this loop's first start must not wait for ever
-        self._resolve_first(EngineUnavailableError("stopped before the worker was ready"))
+        try:
+            await cancel_and_wait(self._task)
+        finally:  # a cancel of the caller too: the loop is cancelled all the same
+            self._task = None
+            # a task cancelled before its first step never runs _supervise's ``finally``:
+            # whoever waits for this loop's first start must not wait for ever
+            self._resolve_first(EngineUnavailableError("stopped before the worker was ready"))
 
     async def _kill_current(self) -> None:
         proc = self.process
