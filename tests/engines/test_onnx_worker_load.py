@@ -27,8 +27,6 @@ from quantroute.engines.llamacpp.worker_model import LoadError
 from quantroute.engines.onnx.layout import MODEL_FILE, TOKENIZER_FILE
 from quantroute.engines.onnx.worker_model import OnnxModel
 
-MiB = 1 << 20
-
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -165,7 +163,6 @@ def test_the_session_holds_the_weights_without_a_copy_of_the_bytes(folder: Path)
     path = folder / MODEL_FILE
     weights = path.stat().st_size
     worker, from_bytes = _growth(path, "worker"), _growth(path, "bytes")
-    print(f"W {weights / MiB:.1f} MiB: worker {worker / MiB:.1f}, bytes {from_bytes / MiB:.1f}")
     assert worker + weights <= from_bytes, (worker, from_bytes, weights)
 
 
