@@ -209,7 +209,7 @@ async def test_a_template_bomb_in_a_gguf_is_a_400_and_healthz_stays_fast(tmp_pat
                 assert error["code"] == "chat_template_limit" and error["param"] == "messages"
         finally:
             prober.cancel()
-        assert len(latencies) > 5
+        assert len(latencies) >= 3  # probed while the renders ran (~0.16 s: ~7 probes)
         assert max(latencies) < 0.25  # it was 7.6 s, then a 500
         assert time.monotonic() - start < 3 * (TIMEOUT_S + SLACK_S) + 2
         ok = await client.post(
