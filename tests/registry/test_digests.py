@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from quantroute.registry import digests as digests_module
-from quantroute.registry.digests import Digests, sha256_file
+from quantroute.registry.digests import Digests, NotRegularFileError, sha256_file
 
 
 @pytest.fixture
@@ -73,3 +73,17 @@ def test_any_change_to_a_file_makes_the_next_scan_read_it(
     d.begin()
     new = d.sha256(path)
     assert d.reads == 2 and new == sha256_file(path) and new != old
+
+
+def test_only_a_regular_file_is_hashed(tmp_path: Path) -> None:
+    """A FIFO would block the reading thread for ever, a device feed it for ever: both
+    are refused at once, before a byte is read (the scan fails that branch)."""
+    fifo = tmp_path / "swapped.gguf"
+    os.mkfifo(fifo)
+    start = time.monotonic()
+    for path in (fifo, Path("/dev/zero")):
+        with pytest.raises(NotRegularFileError):
+            sha256_file(path)
+        with pytest.raises(OSError, match="not a regular file"):
+            Digests().check(path)
+    assert time.monotonic() - start < 1

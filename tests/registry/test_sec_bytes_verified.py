@@ -107,6 +107,42 @@ def test_a_rename_over_it_with_other_bytes_is_refused_and_with_the_same_bytes_ac
     assert now.identity != file.identity and now.sha256 == file.sha256
 
 
+@pytest.mark.parametrize("swap", ["fifo", "device"])
+def test_a_name_swapped_for_a_fifo_or_a_device_is_refused_at_once(
+    model: Path, swap: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: opening a FIFO blocked the opening thread for ever (a writer never came),
+    and a link to ``/dev/zero`` was hashed for ever; a few such spawns took every thread
+    of the default pool, and the scans and placements with them."""
+    settle(monkeypatch)
+    file = verified(model)
+    file.path.unlink()
+    if swap == "fifo":
+        os.mkfifo(file.path)
+    else:
+        file.path.symlink_to("/dev/zero")
+    start = time.monotonic()
+    with pytest.raises(ArtifactIntegrityError, match="cannot be opened"):
+        file.open()
+    artifacts = check_artifacts(model, load_manifest(model), follow_links=True)
+    (refused,) = [a for a in artifacts if a.name == "q4_k_m"]
+    assert refused.problem is not None and refused.verified() is None  # the scan's too
+    assert time.monotonic() - start < 5
+
+
+def test_a_file_of_another_size_is_refused_without_being_read(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file = verified(model)  # racy (just copied): an equal identity would be read again
+    read: list[int] = []
+    monkeypatch.setattr("quantroute.registry.verified.sha256_fd", lambda fd: read.append(fd) or "x")
+    with file.path.open("ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ArtifactIntegrityError, match="verified size"):
+        file.open()
+    assert read == []
+
+
 def test_a_descriptor_open_for_a_worker_sees_an_in_place_rewrite(
     model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

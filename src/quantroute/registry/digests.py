@@ -18,8 +18,10 @@ once the file has been still for ``RACY_S`` when read.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -28,15 +30,33 @@ from pathlib import Path
 RACY_S = 2.0  # a file changed this recently may change again with the same timestamps
 
 
+def open_regular(path: Path | str) -> int:
+    """``path`` open for reading (close-on-exec), when it is a regular file: a name
+    swapped for a FIFO would block the opening thread for ever, a device (``/dev/zero``)
+    would be hashed for ever. Raises :class:`NotRegularFileError` (an ``OSError``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO opens at once
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFileError(errno.EINVAL, "not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class NotRegularFileError(OSError):
+    """A model file's name holds something else than a regular file."""
+
+
 def sha256_file(path: Path, chunk_bytes: int = 4 << 20) -> str:
-    """The file's sha256, streamed (a few MiB in memory, whatever its size)."""
-    digest = hashlib.sha256()
-    buffer = bytearray(chunk_bytes)
-    view = memoryview(buffer)
-    with path.open("rb", buffering=0) as fh:
-        while n := fh.readinto(buffer):
-            digest.update(view[:n])
-    return digest.hexdigest()
+    """The file's sha256, streamed (a few MiB in memory, whatever its size); a regular
+    file only (:func:`open_regular`)."""
+    fd = open_regular(path)
+    try:
+        return sha256_fd(fd, chunk_bytes)
+    finally:
+        os.close(fd)
 
 
 def sha256_fd(fd: int, chunk_bytes: int = 4 << 20) -> str:

@@ -430,7 +430,10 @@ class _Files:
             return path, f"{where} {what} {declared} {why}", None
         if not path.is_file():
             return path, f"{where} {what} {declared} is missing", None
-        checked = self.digests.check(path)
+        try:
+            checked = self.digests.check(path)
+        except OSError as exc:  # unreadable, or no longer a regular file (swapped meanwhile)
+            return path, f"{where} {what} {declared} cannot be read ({exc.strerror})", None
         if checked.identity is None:
             return path, f"{where} {name} changed while it was being checked", None
         if checked.sha256 != sha256:

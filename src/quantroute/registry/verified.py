@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from quantroute.errors import ArtifactIntegrityError
-from quantroute.registry.digests import Identity, identity, settled, sha256_fd
+from quantroute.registry.digests import Identity, identity, open_regular, settled, sha256_fd
 
 RELOAD_WORDS = "a reload will verify the new one"
 
@@ -60,7 +60,7 @@ class VerifiedFile:
         the record to keep (its identity now, when the bytes had to be read again).
         Raises :class:`ArtifactIntegrityError`, in words, for any other bytes."""
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_regular(self.path)  # a FIFO or a device there would hold the thread
         except OSError as exc:
             raise ArtifactIntegrityError(
                 f"its file {self.label} cannot be opened ({exc.strerror}); {RELOAD_WORDS}"
@@ -70,6 +70,11 @@ class VerifiedFile:
             now = identity(st)
             if now == self.identity and self.settled:
                 return fd, replace(self, links=st.st_nlink)
+            if st.st_size != self.identity[2]:  # other bytes, whatever they hash to
+                raise ArtifactIntegrityError(
+                    f"its file {self.label} changed on disk since it was verified (it no "
+                    f"longer has the verified size); {RELOAD_WORDS}"
+                )
             started = time.time_ns()
             digest = sha256_fd(fd)
             st = os.fstat(fd)
