@@ -16,8 +16,10 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from qrtest import demo_repo_copy, serving
+from quantroute.api import service as service_module
 from quantroute.api.app import create_app
 from quantroute.api.gateway import Gateway
+from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
 from quantroute.config import load_settings
 from quantroute.engines.llamacpp.engine import LlamaCppEngine
 from quantroute.errors import ConfigError
@@ -33,6 +35,39 @@ PROMPTS = ("def fibonacci(n):", "The capital of France is", "import numpy as np\
 def test_a_bad_speculation_setting_is_refused(routing: dict[str, Any]) -> None:
     with pytest.raises(ConfigError, match=r"routing\.speculation"):
         load_settings(routing=routing)
+
+
+_CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+_SCHEMA = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "drafted"),
+    [
+        ({}, True),
+        ({"temperature": 0, "seed": 7}, True),  # greedy: the seed draws nothing
+        ({"temperature": 0.7}, True),
+        ({"temperature": 0.7, "seed": 7}, False),  # a seed repeats for one schedule only
+        ({"logprobs": True}, False),
+        ({"response_format": {"type": "json_object"}}, False),
+        ({"response_format": _SCHEMA}, False),
+        ({"presence_penalty": 0.5}, False),
+        ({"repetition_penalty": 1.1}, False),
+    ],
+)
+def test_routing_credits_drafting_only_to_requests_that_are_drafted(
+    extra: dict[str, Any], drafted: bool
+) -> None:
+    """A reference's speed-up is a promise only for what its worker drafts: a grammar,
+    logprobs, penalties and a seeded sample decode plainly, so the deadline filter must
+    not count on drafting for them (``RequestShape.drafted``)."""
+    chat = ChatCompletionRequest.model_validate(_CHAT | extra)
+    assert service_module._drafted(chat) is drafted
+    # a completion's logprobs is a count: 0 still asks for the sampled token's
+    completion = {"model": "m", "prompt": "x"} | {
+        k: (0 if k == "logprobs" else v) for k, v in extra.items()
+    }
+    assert service_module._drafted(CompletionRequest.model_validate(completion)) is drafted
 
 
 def test_speculation_is_on_by_default() -> None:

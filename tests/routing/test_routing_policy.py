@@ -483,6 +483,13 @@ def test_a_speculating_reference_is_credited_with_its_measured_speedup() -> None
         "predicted 53.3 ms (profile, drafting x1.30 speed) <= deadline 55 ms"
     )
     assert route(drafted, req("exact", "55")).branch_ids[0] == F16
+    # a request the reference would decode plainly (a grammar, logprobs, penalties, a
+    # seeded sample) gets no credit: it misses as it would undrafted
+    plain_shape = replace(SHAPE, drafted=False)
+    ex = explain(req("exact", "55"), plain_shape, drafted, S)
+    f16 = next(e for e in ex if e.branch_id == F16)
+    deadline = next(f for f in f16.filters if f.name == "deadline")
+    assert not deadline.passed and "drafting" not in deadline.reason
     # an observed speed already is drafting's (what requests saw): no second credit
     observed = demo(f16={"decode_speedup": 1.3, "observed_ttft_ms": 20.0, "observed_tpot_ms": 0.2})
     ex = explain(req("exact", "55"), SHAPE, observed, S)

@@ -21,7 +21,8 @@ deadline   no deadline; or unknown speeds (passes, marked "unknown"); or the pre
            prompt_tokens / prefill_tps) + (max_tokens - 1) * observed_tpot_ms``,
            ``routing.speeds``), else the profile's engine-only speed,
            ``prompt_tokens / prefill_tps + max_tokens / (decode_tps * decode_speedup)``
-           (``decode_speedup``: a speculating reference's measured speed-up, else 1)
+           (``decode_speedup``: a speculating reference's measured speed-up, for a
+           request it drafts, ``RequestShape.drafted``; else 1)
 =========  ===================================================================================
 
 Queue wait is ``ahead * service / parallel``: ``ahead`` is ``queued``, plus
@@ -68,6 +69,7 @@ def evaluate(
     prompt = request.prompt_tokens
     generate = request.max_tokens
     tokens = prompt + generate
+    drafted = request.drafted
     rows: list[Row] = []
     append = rows.append
     for b in branches:
@@ -87,7 +89,7 @@ def evaluate(
         need = b.kv_bytes_per_token * tokens
         if need > b.device_free_bytes:
             fails |= MEMORY
-        decode = b.decode_tps and b.decode_tps * b.decode_speedup  # drafting's, if it drafts
+        decode = b.decode_tps and b.decode_tps * (b.decode_speedup if drafted else 1.0)
         ttft = b.observed_ttft_ms
         prefill = b.prefill_tps
         if ttft is not None:  # what requests on this branch saw lately, end to end
@@ -124,12 +126,13 @@ def spread_ms(b: BranchState, max_tokens: int) -> float:
 
 
 def describe(
-    requirement: Requirement, branch: BranchState, row: Row
+    requirement: Requirement, branch: BranchState, row: Row, drafted: bool = True
 ) -> tuple[tuple[str, bool, str], ...]:
-    """``(filter, passed, reason)`` for each filter, in the order of :data:`NAMES`."""
+    """``(filter, passed, reason)`` for each filter, in the order of :data:`NAMES`
+    (``drafted``: :attr:`RequestShape.drafted`)."""
     fails, need, _, predicted = row
     return tuple(
-        (name, not fails & bit, _reason(bit, requirement, branch, need, predicted))
+        (name, not fails & bit, _reason(bit, requirement, branch, need, predicted, drafted))
         for bit, name in NAMES
     )
 
@@ -140,6 +143,7 @@ def _reason(
     b: BranchState,
     need: int,
     predicted: float | None,
+    drafted: bool = True,
 ) -> str:
     if bit == READY:
         return "ready" if b.ready else "not ready"
@@ -153,7 +157,7 @@ def _reason(
     if predicted is None:
         return "unknown speed"
     source = "observed" if b.observed_ttft_ms is not None else "profile"
-    if source == "profile" and b.decode_speedup != 1.0:
+    if source == "profile" and drafted and b.decode_speedup != 1.0:
         source = f"profile, drafting x{b.decode_speedup:.2f}"
     if requirement.deadline_ms is None:
         return f"predicted {predicted:.1f} ms ({source} speed), no deadline"

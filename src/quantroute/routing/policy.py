@@ -203,7 +203,8 @@ class _Trace:
         out: list[Explanation] = []
         for i, b in enumerate(self.branches):
             row = self.rows[i]
-            checks = tuple(FilterCheck(*c) for c in filters.describe(self.requirement, b, row))
+            described = filters.describe(self.requirement, b, row, self.request.drafted)
+            checks = tuple(FilterCheck(*c) for c in described)
             s = scores.get(i)
             out.append(
                 Explanation(
@@ -367,7 +368,7 @@ def _within_reach(
             continue
         soonest = predicted - k * filters.spread_ms(b, generate)
         if b.prefill_tps and b.decode_tps:
-            decode = b.decode_tps * b.decode_speedup
+            decode = b.decode_tps * (b.decode_speedup if request.drafted else 1.0)
             soonest = max(soonest, 1000.0 * (prompt / b.prefill_tps + generate / decode))
         if soonest <= deadline:
             reach.append((predicted, fidelity_key(b), i))

@@ -75,11 +75,14 @@ class BranchState:
 @dataclass(frozen=True, slots=True)
 class RequestShape:
     """The size of a request: prompt tokens (an estimate is fine), tokens to generate,
-    and the prompt's prefix for cache affinity (empty: no affinity)."""
+    and the prompt's prefix for cache affinity (empty: no affinity); ``drafted``: a
+    reference that speculates would draft for it (``False`` for what decodes plainly:
+    grammars, logprobs, penalties, seeded sampling), so its ``decode_speedup`` applies."""
 
     prompt_tokens: int
     max_tokens: int
     prefix: str = ""
+    drafted: bool = True
 
 
 # One branch's filter outcome: (failed filter bits, KV bytes needed, service ms or None,

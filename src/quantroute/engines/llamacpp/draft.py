@@ -28,6 +28,7 @@ from typing import Literal
 from quantroute.engines.base import SamplingParams
 from quantroute.engines.llamacpp.model_file import ModelFile, WorkerFiles
 from quantroute.engines.llamacpp.options import WorkerOptions
+from quantroute.engines.sampling import GREEDY_BELOW
 from quantroute.engines.supervisor import Launch
 from quantroute.registry.manifest import BranchArtifact
 from quantroute.registry.verified import VerifiedFile
@@ -111,7 +112,7 @@ def drafts(sampling: SamplingParams) -> bool:
     """Whether a request with ``sampling`` is drafted on a reference holding a draft. Not a
     seeded sampled one: speculated sampling follows the model's distribution, but a seed
     then repeats only for one draft schedule, which the worker picks from its timings."""
-    return sampling.seed is None or sampling.temperature <= 0
+    return sampling.seed is None or not sampling.temperature >= GREEDY_BELOW  # greedy
 
 
 def pick_draft(artifacts: Sequence[BranchArtifact]) -> BranchArtifact | None:
