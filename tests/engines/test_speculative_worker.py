@@ -411,3 +411,20 @@ def test_a_speculated_sampled_token_follows_the_models_distribution() -> None:
     bound = np.sqrt(np.log(2 * len(cells) / 1e-6) / (2 * n))
     assert np.all(np.abs(seconds[cells] - want[cells]) < bound)
     assert not np.any(seconds[want == 0])  # nothing the model's rows exclude
+
+
+def test_a_long_prompt_catches_the_draft_up_a_batch_a_step(plain: Worker) -> None:
+    """Before: the first drafting step fed the draft the whole prompt in one go, every
+    other sequence waiting (minutes for a long prompt on a CPU). Now at most ``n_batch``
+    tokens a step: with ``--n-batch 16`` a prompt of ~150 tokens decodes plainly while the
+    draft catches up over ten steps, then drafts; the text is plain decoding's."""
+    prompt = "def parse(line):\n    return line.split(',')\n\n" * 4
+    want = plain.run(prompt, max_tokens=48)
+    small = Worker(*_draft(), "--n-batch", "16")
+    try:
+        got = small.run(prompt, spec=4, max_tokens=48)
+    finally:
+        small.close()
+    assert len(prompt) > 10 * 16  # bytes; the demo's tokens are about two of them
+    _same(prompt, want, got)
+    assert got.fin.drafted > 0  # it caught up, then drafted

@@ -178,16 +178,34 @@ class Drafter:
         """Draft ``k`` tokens greedily for each ``(seq, k)`` into ``seq.spec.drafts``: the
         draft's cells catch up with the sequence's text (``prompt + out``; its last token
         not yet fed to the served model), then one draft decode per depth. A failed draft
-        decode leaves those sequences without drafts (they decode plainly this step)."""
+        decode leaves those sequences without drafts (they decode plainly this step).
+
+        The catch-up feeds at most the draft's ``n_batch`` tokens a step, all sequences
+        together: a sequence further behind (a long prompt) feeds a part and decodes
+        plainly until it has caught up, so one step never prefills a whole prompt in the
+        draft while every other sequence waits. A step with more than its usual catch-up
+        is not a measure of its ``k``."""
         if not wanted:
             return
         model = self.model
         entries: list[tuple[Sequence, int, int, bool]] = []  # (seq, token, pos, logits)
-        for seq, _ in wanted:
+        budget = model.n_batch  # catch-up tokens this step, every sequence's together
+        for seq, k in wanted:
             assert seq.spec is not None
             seq.spec.drafts, seq.spec.q = [], []
             text = seq.prompt + seq.out
             held = self._reconcile(seq.slot, text)
+            missing = len(text) - len(held)
+            if missing > k + 1:  # a prompt, or text decoded plainly: not a step's usual
+                self._capped = True  # its catch-up is in this step's time: not k's measure
+            if missing > budget:  # a part now, the rest in later steps: a long prompt
+                for pos in range(len(held), len(held) + budget):  # never its last token
+                    entries.append((seq, text[pos], pos, False))
+                held.extend(text[len(held) : len(held) + budget])
+                budget = 0
+                self._emitted += 1  # no drafts: it decodes plainly this step
+                continue
+            budget -= missing
             for pos in range(len(held), len(text)):
                 entries.append((seq, text[pos], pos, pos == len(text) - 1))
             held.extend(text[len(held) :])
