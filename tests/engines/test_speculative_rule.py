@@ -357,3 +357,22 @@ def test_adaptive_k_refuses_nonsense() -> None:
         AdaptiveK(floor=2)
     with pytest.raises(ValueError):
         AdaptiveK().observe(2, 3, 0.0)
+
+
+@pytest.mark.parametrize("sequences", [1, 4])
+def test_a_steps_rate_is_learnt_per_speculating_sequence(sequences: int) -> None:
+    """Before: a step's tokens over its time, whatever the number of sequences in it, so a
+    k measured while five sequences ran read five times faster than one measured alone
+    (and the speed-up routing was told with it). Now per sequence: a request's rate."""
+    from types import SimpleNamespace
+
+    from quantroute.engines.llamacpp.worker_speculative import Drafter, SpecState
+
+    drafter = Drafter(SimpleNamespace(parallel=4), "q4_k_m.gguf", k_max=4)  # type: ignore[arg-type]
+    seen: list[tuple[int, float, float]] = []
+    drafter.control.observe = lambda k, tokens, seconds: seen.append((k, tokens, seconds))  # type: ignore[method-assign]
+    for _ in range(sequences):  # the first k tried is 0: each emits its one token
+        seq = SimpleNamespace(spec=SpecState(4), max_tokens=64, generated=0, n_past=8)
+        assert drafter.k_for(seq, 512) == 0  # type: ignore[arg-type]
+    drafter.timed_step(0.01)
+    assert seen == [(0, 1.0, 0.01)]

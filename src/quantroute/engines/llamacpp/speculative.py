@@ -203,7 +203,7 @@ class _Arm:
     """One candidate ``k``'s measurements, decayed to its last observation."""
 
     k: int
-    tokens: float = 0.0  # emitted by the speculating sequences in its steps
+    tokens: float = 0.0  # emitted per speculating sequence in its steps
     seconds: float = 0.0  # those steps' time
     seen: int = 0  # observations, undecayed
     last: int = -1  # the step count at its last observation
@@ -295,8 +295,9 @@ class AdaptiveK:
             return min((a for a in arms if a.k != best), key=lambda a: a.last).k
         return best
 
-    def observe(self, k: int, tokens: int, seconds: float) -> None:
-        """A step with ``k`` (a :meth:`choose` answer) emitted ``tokens`` in ``seconds``."""
+    def observe(self, k: int, tokens: float, seconds: float) -> None:
+        """A step with ``k`` (a :meth:`choose` answer) emitted ``tokens`` in ``seconds``
+        (the worker gives them per speculating sequence)."""
         if tokens < 0 or not seconds > 0.0:
             raise ValueError("tokens >= 0 and seconds > 0")
         arm = self._arms[k]

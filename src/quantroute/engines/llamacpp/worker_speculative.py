@@ -131,6 +131,7 @@ class Drafter:
         self.control = AdaptiveK(k_max=k_max, floor=1 if mode == "always" else 0)
         self._arm: int | None = None  # this step's k (auto, always), once a sequence asked
         self._emitted = 0  # tokens the speculating sequences emit this step
+        self._sequences = 0  # ... and how many of them there are
         self._capped = False  # a sequence drafted fewer than the step's k for want of room
         self.failures = 0  # draft decodes that failed (their sequences decoded plainly)
 
@@ -158,6 +159,7 @@ class Drafter:
         if room < min(k, spec.k_max):
             self._capped = True  # its end cuts the step short: not a measure of k
         k = max(0, min(k, spec.k_max, room))
+        self._sequences += 1
         if k == 0:
             self._emitted += 1
         return k
@@ -166,11 +168,12 @@ class Drafter:
         """The step (drafting, the served model's decode, picking and sending) took
         ``seconds``; ``counted``: it fed no prompt, so its time is its decoding's, and
         :attr:`control` learns the tokens per second of the step's ``k`` (unless a
-        sequence's end left no room for ``k``)."""
-        arm, emitted, capped = self._arm, self._emitted, self._capped
-        self._arm, self._emitted, self._capped = None, 0, False
+        sequence's end left no room for ``k``), per speculating sequence: a rate a
+        request sees, whether one or five shared the steps that measured it."""
+        arm, emitted, capped, sequences = self._arm, self._emitted, self._capped, self._sequences
+        self._arm, self._emitted, self._capped, self._sequences = None, 0, False, 0
         if arm is not None and counted and not capped and emitted and seconds > 0.0:
-            self.control.observe(arm, emitted, seconds)
+            self.control.observe(arm, emitted / max(1, sequences), seconds)
 
     # -- proposing --------------------------------------------------------------------
 
