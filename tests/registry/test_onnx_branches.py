@@ -259,10 +259,37 @@ def _no_cache(folder: Path) -> bytes:
     return bytes(model.SerializeToString())
 
 
+def _sparse_bomb(folder: Path) -> bytes:
+    """A sparse initializer of one value whose dense shape is 2^34 elements (64 GiB of
+    floats): ONNX Runtime makes it dense at load."""
+    model = _model(folder)
+    values = onnx.helper.make_tensor("bomb_values", onnx.TensorProto.FLOAT, [1], [1.0])
+    indices = onnx.helper.make_tensor("bomb_indices", onnx.TensorProto.INT64, [1], [0])
+    model.graph.sparse_initializer.append(
+        onnx.helper.make_sparse_tensor(values, indices, [1 << 17, 1 << 17])
+    )
+    return bytes(model.SerializeToString())
+
+
+def _second_name_for_a_layer(folder: Path) -> bytes:
+    """``past_key_values.00.key``, a tiny cache beside the real layer 0's: read as layer
+    0 it would shrink the memory estimate to nothing."""
+    model = _model(folder)
+    for part in ("key", "value"):
+        model.graph.input.append(
+            onnx.helper.make_tensor_value_info(
+                f"past_key_values.00.{part}", onnx.TensorProto.FLOAT, ["b", 1, "p", 1]
+            )
+        )
+    return bytes(model.SerializeToString())
+
+
 @pytest.mark.parametrize(
     ("hostile", "problem"),
     [
         (lambda f: (f / "model.onnx").read_bytes()[:-5000], "truncated"),
+        (_sparse_bomb, "a sparse tensor over 134217728 elements once dense"),
+        (_second_name_for_a_layer, "do not number the layers 0, 1, ..."),
         (lambda f: (f / "tokenizer.gguf").read_bytes(), "not an ONNX file"),
         (lambda f: b"\x3a\xff\xff\xff\xff\x0f" + b"\0" * 64, "runs past its message"),
         (lambda f: b"\x08" + b"\xff" * 12, "over 10 bytes"),

@@ -62,6 +62,9 @@ MAX_DIMS = 16
 MAX_ELEMENTS = 1 << 40
 MAX_LAYERS = 1 << 12
 MAX_NAME = 256  # bytes of an input's or output's name that is read (longer: not ours)
+# a sparse tensor's dense elements: ONNX Runtime makes it dense at load, so a few bytes
+# of indices could declare gigabytes (2^27 eight-byte elements: 1 GiB)
+MAX_SPARSE_ELEMENTS = 1 << 27
 IR_VERSIONS = range(3, 33)
 _CHUNK = 1 << 16
 
@@ -73,7 +76,8 @@ _STRING_TYPE = 8
 _FLOAT16 = 10
 _KV_TYPES = {1: 4, 10: 2, 16: 2}  # float32, float16, bfloat16
 _NBITS = b"MatMulNBits"
-_PAST = re.compile(r"past_key_values\.([0-9]{1,4})\.(key|value)")
+_PAST = re.compile(r"past_key_values\.(0|[1-9][0-9]{0,3})\.(key|value)")
+_PAST_LIKE = re.compile(r"past_key_values\.[0-9]+\.(?:key|value)")  # 00, 007: another name
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,9 +303,25 @@ def _node(walk: _Walk, start: int, end: int, depth: int) -> None:
 
 
 def _sparse(walk: _Walk, start: int, end: int) -> None:
-    for field, wire, value, pos in walk.src.fields_of(start, end):
+    """A sparse tensor: its values and indices as tensors, and its dense shape bounded
+    (:data:`MAX_SPARSE_ELEMENTS`): what it becomes when ONNX Runtime loads it."""
+    src = walk.src
+    elements = 1
+    for field, wire, value, pos in src.fields_of(start, end):
         if field in (1, 2) and wire == 2:  # values, indices
             _tensor(walk, pos, pos + value)
+        elif field == 3:  # dims, one by one or packed
+            dims = [value] if wire == 0 else []
+            p = pos
+            while wire == 2 and p < pos + value and len(dims) <= MAX_DIMS:
+                dim, p = src.varint(p, pos + value)
+                dims.append(dim)
+            for dim in dims:
+                elements *= dim
+                if elements > MAX_SPARSE_ELEMENTS:
+                    raise _Refused(
+                        f"a sparse tensor over {MAX_SPARSE_ELEMENTS} elements once dense"
+                    )
 
 
 def _tensor(walk: _Walk, start: int, end: int) -> None:
@@ -471,6 +491,8 @@ def _interface(walk: _Walk, ir_version: int) -> OnnxSummary:
     for name, value in walk.values.items():
         if m := _PAST.fullmatch(name):
             layers.setdefault(int(m[1]), {})[m[2]] = value
+        elif _PAST_LIKE.fullmatch(name):  # a second name for a layer's cache
+            raise _Refused("the past_key_values inputs do not number the layers 0, 1, ...")
     if 0 not in layers or "input_ids" not in walk.values:
         raise _Refused(
             "not a decoder with a key/value cache (no input_ids and past_key_values.0.key inputs)"
