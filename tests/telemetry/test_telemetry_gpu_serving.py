@@ -114,8 +114,8 @@ async def test_a_branch_too_big_for_the_gpu_is_offloaded_partly(
 async def test_a_reference_keeps_its_draft_only_where_both_fit(
     nvml_kit: SimpleNamespace,
 ) -> None:
-    """Speculation is a way of serving the reference within memory: its draft's weights
-    and cells are placed with it where they fit; where only the reference fits, it is
+    """Speculation is a way of serving the reference within memory: its draft's weights,
+    cells and buffers are placed with it where they fit; where only the reference fits, it is
     placed alone (its worker starts without the draft, and the placement says why),
     never left unplaced for its draft's sake; a partial offload leaves no room either."""
     f16, q4 = demo_model_dir() / "f16.gguf", demo_model_dir() / "q4_k_m.gguf"
@@ -123,7 +123,9 @@ async def test_a_reference_keeps_its_draft_only_where_both_fit(
     alone, _, _ = probe.estimate(f16, DeviceKind.CUDA)
     draft, _, _ = probe.estimate(q4, DeviceKind.CUDA)
     await poller.stop()
-    both = alone.bytes + draft.weights_bytes + draft.kv_bytes
+    # the draft's weights, cells and compute buffers: a second context has its own; the
+    # process's runtime and CUDA context are shared
+    both = alone.bytes + draft.weights_bytes + draft.kv_bytes + draft.compute_bytes
     request = PlacementRequest("tiny-llama:f16", f16, draft_path=q4)
     for free, drafted in ((both, True), (both - 1, False), (alone.bytes, False)):
         gpu = nvml_kit.Gpu(total=free + 1 * GiB, used=1 * GiB)

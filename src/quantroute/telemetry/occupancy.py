@@ -216,13 +216,19 @@ class Occupancy:
     def _with_draft(
         self, footprint: Footprint, kv_per_token: int, draft: Path, kind: DeviceKind
     ) -> tuple[Footprint, int]:
-        """A reference's footprint with its draft's weights and KV cells added (the two
-        models share one process, its runtime and compute buffers taken in turn)."""
+        """A reference's footprint with its draft's added: its weights, KV cells, compute
+        buffers and, on a CPU, its context's fixed part (a second llama.cpp context
+        reserves its own when it starts). The two models share one process, so its
+        runtime, and on a GPU its CUDA context, count once."""
         extra, extra_kv, _ = self.estimate(draft, kind)
+        shared_context = kind is DeviceKind.CUDA  # the overhead is the process's context
         added = dataclasses.replace(
             footprint,
             weights_bytes=footprint.weights_bytes + extra.weights_bytes,
             kv_bytes=footprint.kv_bytes + extra.kv_bytes,
+            compute_bytes=footprint.compute_bytes + extra.compute_bytes,
+            overhead_bytes=footprint.overhead_bytes
+            + (0 if shared_context else extra.overhead_bytes),
         )
         return added, kv_per_token + extra_kv
 
