@@ -79,3 +79,29 @@ def test_a_prompt_the_size_refuses_is_not_tokenized_and_ids_are_not_either() -> 
     pending = [h.pending for h in held if isinstance(h, Held)]
     assert pending[:2] == [None, None]  # refused by its size / ids as they are
     assert all(isinstance(p, Pending) for p in pending[2:])
+
+
+def test_a_token_longer_than_the_piece_buffer_keeps_its_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """llama.cpp answers a piece longer than the buffer with minus its length. Before, such
+    a token's text was empty: emitted as nothing, compared equal between a model and its
+    draft, and left out of ``max_piece_bytes`` (the prompt's token bound)."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from quantroute.engines.llamacpp import worker_model
+
+    pieces = {0: b"a", 1: b"x" * 300}
+
+    def to_piece(vocab: object, token: int, buf: object, size: int, lstrip: int, sp: bool) -> int:
+        piece = pieces[token]
+        if len(piece) > size:
+            return -len(piece)
+        ctypes.memmove(buf, piece, len(piece))
+        return len(piece)
+
+    monkeypatch.setattr(worker_model, "lc", SimpleNamespace(llama_token_to_piece=to_piece))
+    vocab = object.__new__(worker_model.Vocabulary)
+    vocab.vocab, vocab._piece_buf = None, ctypes.create_string_buffer(256)
+    assert [vocab.piece_bytes(t) for t in (0, 1, 0)] == [b"a", b"x" * 300, b"a"]

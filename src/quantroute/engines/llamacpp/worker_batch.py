@@ -345,7 +345,10 @@ class Batcher:
         for seq in decoding:
             if seq.spec is None:
                 continue
-            k = min(drafter.k_for(seq, model.n_ctx), room)
+            wants = drafter.k_for(seq, model.n_ctx)
+            k = min(wants, room)
+            if k < wants:
+                drafter.short_of_room()
             if k > 0:
                 wanted.append((seq, k))
                 room -= k

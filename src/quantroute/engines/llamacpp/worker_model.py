@@ -160,7 +160,11 @@ class Vocabulary:
 
     def piece_bytes(self, token: int, special: bool = False) -> bytes:
         n = lc.llama_token_to_piece(self.vocab, token, self._piece_buf, 256, 0, special)
-        return self._piece_buf.raw[: max(n, 0)]
+        if n >= 0:
+            return self._piece_buf.raw[:n]
+        buf = ctypes.create_string_buffer(-n)  # a longer piece: -n bytes, asked again
+        n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[: max(n, 0)]
 
     def piece(self, token: int, special: bool = False) -> str:
         return self.piece_bytes(token, special).decode("utf-8", "replace")

@@ -164,6 +164,11 @@ class Drafter:
             self._emitted += 1
         return k
 
+    def short_of_room(self) -> None:
+        """The batch had no room for a sequence's ``k`` drafts: the step drafts fewer than
+        its ``k``, so it is not a measure of it."""
+        self._capped = True
+
     def timed_step(self, seconds: float, *, counted: bool = True) -> None:
         """The step (drafting, the served model's decode, picking and sending) took
         ``seconds``; ``counted``: it fed no prompt, so its time is its decoding's, and
