@@ -143,6 +143,30 @@ def test_a_file_of_another_size_is_refused_without_being_read(
     assert read == []
 
 
+def test_a_file_swapped_while_its_header_is_checked_fails_its_branch(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The header check reads the path after the hash did: a swap in between (hostile
+    bytes hashed, harmless ones checked, the hostile ones back for the worker) would pass
+    a file whose header was never checked. The file must still be the hashed one."""
+    from quantroute.registry import manifest as manifest_module
+
+    real = manifest_module._check_in_process
+
+    def swapping(path: Path) -> str | None:
+        found = real(path)
+        if path.name == "q4_k_m.gguf":  # the same bytes, written again: another ctime
+            rewrite_in_place(path, path.read_bytes())
+        return found
+
+    monkeypatch.setattr(manifest_module, "_check_in_process", swapping)
+    artifacts = {a.name: a for a in check_artifacts(model, load_manifest(model))}
+    assert artifacts["q4_k_m"].problem == (
+        "tiny-llama:q4_k_m: q4_k_m.gguf: changed while it was being checked"
+    )
+    assert artifacts["f16"].problem is None and artifacts["q4_k_m"].verified() is None
+
+
 def test_a_descriptor_open_for_a_worker_sees_an_in_place_rewrite(
     model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -405,6 +405,9 @@ def check_artifacts(
             artifacts[i] = _refused(artifacts[i], label, found.model)
         elif found.tokenizer is not None:
             artifacts[i] = _refused(artifacts[i], label, found.tokenizer, tokenizer=True)
+    for i in (*ggufs, *onnx):  # the checks read paths: what they read must be what was hashed
+        if artifacts[i].problem is None and artifacts[i].replaced():
+            artifacts[i] = _refused(artifacts[i], label, "changed while it was being checked")
     artifacts.sort(key=lambda a: (not a.is_reference, a.precision.spec.rank, a.name))
     return artifacts
 
