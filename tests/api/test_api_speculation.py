@@ -16,7 +16,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from qrtest import demo_repo_copy, serving
-from quantroute.api import service as service_module
+from quantroute.api import jobs as jobs_module
 from quantroute.api.app import create_app
 from quantroute.api.gateway import Gateway
 from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
@@ -62,12 +62,12 @@ def test_routing_credits_drafting_only_to_requests_that_are_drafted(
     logprobs, penalties and a seeded sample decode plainly, so the deadline filter must
     not count on drafting for them (``RequestShape.drafted``)."""
     chat = ChatCompletionRequest.model_validate(_CHAT | extra)
-    assert service_module._drafted(chat) is drafted
+    assert jobs_module.drafted(chat) is drafted
     # a completion's logprobs is a count: 0 still asks for the sampled token's
     completion = {"model": "m", "prompt": "x"} | {
         k: (0 if k == "logprobs" else v) for k, v in extra.items()
     }
-    assert service_module._drafted(CompletionRequest.model_validate(completion)) is drafted
+    assert jobs_module.drafted(CompletionRequest.model_validate(completion)) is drafted
 
 
 def test_speculation_is_on_by_default() -> None:

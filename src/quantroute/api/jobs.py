@@ -9,12 +9,13 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from quantroute.api.schemas import ChatCompletionRequest, CompletionRequest
-from quantroute.api.structured import grammar_of
+from quantroute.api.structured import grammar_of, needs_grammar
 from quantroute.engines.base import (
     ChatInput,
     GenerationRequest,
     SamplingParams,
 )
+from quantroute.engines.sampling import GREEDY_BELOW
 from quantroute.engines.table import ENGINES
 from quantroute.observability import NULL_TRACE, RequestTrace
 from quantroute.resilience.admission import Ticket
@@ -180,4 +181,23 @@ def _chat_input(
         tuple(m.for_template() for m in req.messages) if messages is None else tuple(messages),
         None if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True),
         tuple(t.model_dump(by_alias=True, exclude_none=True) for t in req.active_tools or ()),
+    )
+
+
+def drafted(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    """Whether a reference that speculates would draft for ``req``, as its engine and
+    worker decide (``engines/llamacpp/draft.py`` ``drafts``, the worker's ``speculate``):
+    not for a grammar, logprobs, penalties or seeded sampling, which decode plainly."""
+    if isinstance(req, ChatCompletionRequest):
+        tools, choice, logprobs = req.tools, req.tool_choice, req.logprobs
+    else:  # a count: 0 still asks for the sampled token's
+        tools, choice, logprobs = None, None, req.logprobs is not None
+    sampled = req.temperature >= GREEDY_BELOW
+    return not (
+        needs_grammar(req.response_format, tools, choice)
+        or logprobs
+        or req.presence_penalty
+        or req.frequency_penalty
+        or req.repetition_penalty != 1.0
+        or (sampled and req.seed is not None)
     )

@@ -23,7 +23,7 @@ from quantroute import __version__
 from quantroute.api import views
 from quantroute.api.explain import explain_json, pinned_json
 from quantroute.api.grammars import Grammars
-from quantroute.api.jobs import Job, build_job
+from quantroute.api.jobs import Job, build_job, drafted
 from quantroute.api.operator import Operator
 from quantroute.api.run import Run
 from quantroute.api.runner import Runner
@@ -33,10 +33,8 @@ from quantroute.api.schemas import (
     check_limits,
     check_vocabulary,
 )
-from quantroute.api.structured import needs_grammar
 from quantroute.api.tools import template_messages
 from quantroute.config import LimitSettings, RoutingSettings
-from quantroute.engines.sampling import GREEDY_BELOW
 from quantroute.errors import RateLimitError, ServiceUnavailableError
 from quantroute.observability import Observer, RequestTrace
 from quantroute.resilience import Admission
@@ -138,7 +136,7 @@ class Service:
             prompt_tokens=max(map(len, ids)) if ids else len(text.encode()) + 1,
             max_tokens=limit or self._limits.max_tokens,
             prefix=text[:_AFFINITY_PREFIX_CHARS],
-            drafted=_drafted(req),
+            drafted=drafted(req),
         )
         return requirement, shape
 
@@ -373,25 +371,6 @@ class Service:
 def _limited(tenant: Tenant) -> Callable[[str], bool] | None:
     """The tenant's ``may_use`` when its key may not use every model (for ``lookup``)."""
     return None if "*" in tenant.models else tenant.may_use
-
-
-def _drafted(req: ChatCompletionRequest | CompletionRequest) -> bool:
-    """Whether a reference that speculates would draft for ``req``, as its engine and
-    worker decide (``engines/llamacpp/draft.py`` ``drafts``, the worker's ``speculate``):
-    not for a grammar, logprobs, penalties or seeded sampling, which decode plainly."""
-    if isinstance(req, ChatCompletionRequest):
-        tools, choice, logprobs = req.tools, req.tool_choice, req.logprobs
-    else:  # a count: 0 still asks for the sampled token's
-        tools, choice, logprobs = None, None, req.logprobs is not None
-    sampled = req.temperature >= GREEDY_BELOW
-    return not (
-        needs_grammar(req.response_format, tools, choice)
-        or logprobs
-        or req.presence_penalty
-        or req.frequency_penalty
-        or req.repetition_penalty != 1.0
-        or (sampled and req.seed is not None)
-    )
 
 
 def _prompt_text(req: ChatCompletionRequest | CompletionRequest) -> str:
