@@ -99,8 +99,9 @@ def test_inner_packages_import_nothing_above_them(package: str) -> None:
     above = {"quantroute.api", "quantroute.routing"}
     if package != "engines":
         above.add("quantroute.engines")
-    # shaping runs beside the engines: it hands its render processes the workers' environment
-    allowed = ("quantroute.engines.environment",) if package == "shaping" else ()
+    # shaping and the registry run children beside the engines: render processes, file
+    # checks; they hand them the workers' environment
+    allowed = ("quantroute.engines.environment",) if package in ("shaping", "registry") else ()
     for rel, imported in _package_imports(package).items():
         bad = {
             m for m in imported if any(m.startswith(a) for a in above) and not m.startswith(allowed)

@@ -82,3 +82,35 @@ def test_validate_a_file_and_a_repository(
     )
     assert main(["validate", str(repo / "tiny-llama" / "q8_0.gguf")]) == 1
     assert "past the end" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["gguf", "onnx"])
+def test_the_check_child_sees_no_secret_of_the_gateways(
+    kind: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The child parses hostile bytes: it gets the workers' allowlisted environment,
+    not the gateway's (the admin key, a cloud's credentials)."""
+    import subprocess
+
+    from quantroute.registry import gguf_check, onnx_pair
+
+    monkeypatch.setenv("QUANTROUTE_SERVER__ADMIN_KEY", "sk-admin-secret")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret")
+    seen: list[dict[str, str]] = []
+
+    def run(argv: list[str], **kw: object) -> subprocess.CompletedProcess[bytes]:
+        env = kw["env"]
+        assert isinstance(env, dict)
+        seen.append(env)
+        return subprocess.CompletedProcess(argv, 1, b"", b"")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"GGUF")
+    if kind == "gguf":
+        gguf_check.check_gguf_isolated([path])
+    else:
+        onnx_pair.check_onnx_isolated([(path, None)])
+    (env,) = seen
+    assert "PATH" in env and env["OMP_NUM_THREADS"] == "1"
+    assert not any("secret" in v for v in env.values())

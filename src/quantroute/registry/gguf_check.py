@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from quantroute.engines.environment import worker_env
 from quantroute.errors import ArtifactIntegrityError
 
 __all__ = [
@@ -392,7 +393,8 @@ def _run_child(paths: list[Path], timeout_s: float, memory_bytes: int) -> list[G
     before = [_stat_key(p) for p in paths]
     argv = [sys.executable, "-m", "quantroute.registry.gguf_child", "--memory-bytes"]
     argv += [str(memory_bytes), *(str(p) for p in paths)]
-    env = os.environ | {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    # the workers' allowlisted environment: no key of the gateway's reaches a hostile file
+    env = worker_env(os.environ) | {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     try:
         done = subprocess.run(argv, capture_output=True, timeout=timeout_s, env=env, check=False)
     except subprocess.TimeoutExpired:

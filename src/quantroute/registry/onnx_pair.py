@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from quantroute.engines.environment import worker_env
 from quantroute.errors import ArtifactIntegrityError
 from quantroute.registry.gguf_check import (
     CHILD_MEMORY_BYTES,
@@ -132,7 +133,8 @@ def check_onnx_isolated(
     argv.append(str(memory_bytes))
     for (model, tokenizer), file in zip(pairs, files, strict=True):
         argv += [str(model), str(tokenizer) if tokenizer is not None else "-", data_arg(file)]
-    env = os.environ | {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    # the workers' allowlisted environment: no key of the gateway's reaches a hostile file
+    env = worker_env(os.environ) | {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     try:
         done = subprocess.run(argv, capture_output=True, timeout=timeout_s, env=env, check=False)
     except subprocess.TimeoutExpired:
