@@ -284,10 +284,35 @@ def _second_name_for_a_layer(folder: Path) -> bytes:
     return bytes(model.SerializeToString())
 
 
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field."""
+    out, n = bytearray([number << 3 | 2]), len(payload)
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out) + payload
+
+
+def _merged_tensor(folder: Path) -> bytes:
+    """A Constant whose ``value`` tensor is given twice, each copy sound alone
+    (``[2^16]`` int64s): protobuf merges them into one whose dims are ``[2^16, 2^16]``,
+    32 GiB declared."""
+    tensor = onnx.helper.make_tensor("c", onnx.TensorProto.INT64, [1 << 16], [0] * (1 << 16))
+    attribute = onnx.helper.make_attribute("value", tensor).SerializeToString()
+    attribute += _field(5, tensor.SerializeToString())  # t, again
+    node = _field(2, b"bomb") + _field(4, b"Constant") + _field(5, attribute)
+    model = _model(folder)
+    graph = model.graph.SerializeToString() + _field(1, node)  # one more node
+    model.ClearField("graph")
+    return bytes(model.SerializeToString()) + _field(7, graph)
+
+
 @pytest.mark.parametrize(
     ("hostile", "problem"),
     [
         (lambda f: (f / "model.onnx").read_bytes()[:-5000], "truncated"),
+        (_merged_tensor, "a tensor field given twice"),
         (_sparse_bomb, "a sparse tensor over 134217728 elements once dense"),
         (_second_name_for_a_layer, "do not number the layers 0, 1, ..."),
         (lambda f: (f / "tokenizer.gguf").read_bytes(), "not an ONNX file"),

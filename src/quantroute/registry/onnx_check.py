@@ -65,6 +65,9 @@ MAX_NAME = 256  # bytes of an input's or output's name that is read (longer: not
 # a sparse tensor's dense elements: ONNX Runtime makes it dense at load, so a few bytes
 # of indices could declare gigabytes (2^27 eight-byte elements: 1 GiB)
 MAX_SPARSE_ELEMENTS = 1 << 27
+# a message field given twice is merged by protobuf (dims concatenated): each copy
+# passing alone proves nothing of the merged tensor
+_MERGED = "a tensor field given twice (protobuf would merge the copies)"
 IR_VERSIONS = range(3, 33)
 _CHUNK = 1 << 16
 
@@ -283,6 +286,8 @@ def _function(walk: _Walk, start: int, end: int) -> None:
     for field, wire, value, pos in walk.src.fields_of(start, end):
         if field == 7 and wire == 2:
             walk.nodes += 1
+            if walk.nodes > MAX_NODES:
+                raise _Refused(f"over {MAX_NODES} nodes (absurd)")
             _node(walk, pos, pos + value, 1)
 
 
@@ -291,9 +296,14 @@ def _node(walk: _Walk, start: int, end: int, depth: int) -> None:
         if field == 4 and wire == 2 and value == len(_NBITS):  # op_type
             walk.nbits += walk.src.read(pos, value) == _NBITS
         elif field == 5 and wire == 2:  # an attribute
+            single = 0  # its t and sparse_tensor: protobuf merges a repeated one
             for f, w, v, p in walk.src.fields_of(pos, pos + value):
                 if w != 2:
                     continue
+                if f in (5, 22):
+                    single += 1
+                    if single > 1:
+                        raise _Refused(_MERGED)
                 if f in (5, 10):  # t, tensors
                     _tensor(walk, p, p + v)
                 elif f in (6, 11):  # g, graphs
@@ -307,8 +317,12 @@ def _sparse(walk: _Walk, start: int, end: int) -> None:
     (:data:`MAX_SPARSE_ELEMENTS`): what it becomes when ONNX Runtime loads it."""
     src = walk.src
     elements = 1
+    seen = [0, 0, 0]
     for field, wire, value, pos in src.fields_of(start, end):
         if field in (1, 2) and wire == 2:  # values, indices
+            seen[field] += 1
+            if seen[field] > 1:
+                raise _Refused(_MERGED)
             _tensor(walk, pos, pos + value)
         elif field == 3:  # dims, one by one or packed
             dims = [value] if wire == 0 else []
