@@ -376,3 +376,63 @@ def test_a_steps_rate_is_learnt_per_speculating_sequence(sequences: int) -> None
         assert drafter.k_for(seq, 512) == 0  # type: ignore[arg-type]
     drafter.timed_step(0.01)
     assert seen == [(0, 1.0, 0.01)]
+
+
+class _FakeDraft:
+    """A draft model that decodes anything and always proposes token 1."""
+
+    n_batch, parallel, eog_set, eog_tokens = 512, 1, frozenset({0}), [0]
+
+    def __init__(self) -> None:
+        self.fed: list[int] = []  # tokens per decode
+
+    def put(self, i: int, token: int, pos: int, slot: int, logits: bool) -> None:
+        pass
+
+    def decode(self, n: int) -> int:
+        self.fed.append(n)
+        return 0
+
+    def row(self, i: int) -> npt.NDArray[np.float32]:
+        return np.array([0.0, 1.0, 0.0], dtype=np.float32)
+
+    def keep_prefix(self, slot: int, keep: int) -> bool:
+        return True
+
+    def clear(self, slot: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("behind", "measured"), [(33, True), (65, False)])
+def test_a_probe_after_plain_steps_still_measures_its_k(behind: int, measured: bool) -> None:
+    """While plain decoding is fastest, one step in 32 probes a k, and the draft first
+    catches up the tokens decoded plainly since: that step still measures the k (else
+    drafting could never win again); catching up a prompt does not."""
+    from types import SimpleNamespace
+
+    from quantroute.engines.base import SamplingParams
+    from quantroute.engines.llamacpp.worker_speculative import Drafter, SpecState
+
+    draft = _FakeDraft()
+    drafter = Drafter(draft, "q4_k_m.gguf", k_max=4, mode="fixed")  # type: ignore[arg-type]
+    seen: list[int] = []
+    drafter.control.observe = lambda k, tokens, seconds: seen.append(k)  # type: ignore[method-assign]
+    seq = SimpleNamespace(
+        spec=SpecState(4),
+        max_tokens=512,
+        generated=0,
+        n_past=8,
+        slot=0,
+        prompt=[5] * 8,
+        out=[],
+        bias_ids=None,
+        bias_values=None,
+        sampling=SamplingParams(temperature=0.0),
+    )
+    seq.out = [2] * behind
+    drafter._arm = drafter.k_for(seq, 4096)  # type: ignore[arg-type]
+    drafter.propose([(seq, 4)])  # type: ignore[list-item]
+    assert seq.spec.drafts == [1, 1, 1, 1] and draft.fed[0] == 8 + behind
+    drafter._emitted = 5  # what the verdict would count
+    drafter.timed_step(0.01)
+    assert seen == ([4] if measured else [])

@@ -117,6 +117,12 @@ def _free(model: Model) -> None:
     lc.llama_model_free(model.handle)
 
 
+# Tokens a draft catches up in a step whose time still measures its k: what the plain
+# steps between two probes leave (one step in 32 while plain decoding is fastest, and
+# each emits a token), with room; more is a prompt's prefill.
+USUAL_CATCH_UP = 64
+
+
 class Drafter:
     """The draft model's cells and decodes, and the choice of ``k``."""
 
@@ -191,8 +197,8 @@ class Drafter:
         The catch-up feeds at most the draft's ``n_batch`` tokens a step, all sequences
         together: a sequence further behind (a long prompt) feeds a part and decodes
         plainly until it has caught up, so one step never prefills a whole prompt in the
-        draft while every other sequence waits. A step with more than its usual catch-up
-        is not a measure of its ``k``."""
+        draft while every other sequence waits. A step that catches up a prompt (over
+        :data:`USUAL_CATCH_UP` tokens) is not a measure of its ``k``."""
         if not wanted:
             return
         model = self.model
@@ -204,8 +210,8 @@ class Drafter:
             text = seq.prompt + seq.out
             held = self._reconcile(seq.slot, text)
             missing = len(text) - len(held)
-            if missing > k + 1:  # a prompt, or text decoded plainly: not a step's usual
-                self._capped = True  # its catch-up is in this step's time: not k's measure
+            if missing > USUAL_CATCH_UP:  # a prompt: its catch-up is in this step's time,
+                self._capped = True  # which is then no measure of k
             if missing > budget:  # a part now, the rest in later steps: a long prompt
                 for pos in range(len(held), len(held) + budget):  # never its last token
                     entries.append((seq, text[pos], pos, False))
