@@ -204,7 +204,7 @@ class Drafter:
         model = self.model
         entries: list[tuple[Sequence, int, int, bool]] = []  # (seq, token, pos, logits)
         budget = model.n_batch  # catch-up tokens this step, every sequence's together
-        for seq, k in wanted:
+        for seq, _ in wanted:
             assert seq.spec is not None
             seq.spec.drafts, seq.spec.q = [], []
             text = seq.prompt + seq.out
