@@ -114,3 +114,30 @@ def test_the_check_child_sees_no_secret_of_the_gateways(
     (env,) = seen
     assert "PATH" in env and env["OMP_NUM_THREADS"] == "1"
     assert not any("secret" in v for v in env.values())
+
+
+def test_a_child_that_dies_fails_only_the_file_that_killed_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch whose child runs out of time or memory is checked again a file at a time:
+    the file that did it is refused, its siblings are not (they were all refused)."""
+    from quantroute.registry import gguf_check
+
+    real = gguf_check._run_child
+    bad = demo_model_dir() / "q8_0.gguf"
+    runs: list[int] = []
+
+    def dying(paths: list[Path], timeout_s: float, memory_bytes: int) -> list[object]:
+        runs.append(len(paths))
+        if bad in paths:  # fault injection: this file "kills" any child that reads it
+            return [f"{gguf_check._CHILD_FAILED}failed (signal 9; over its memory limit?)"] * len(
+                paths
+            )
+        return real(paths, timeout_s, memory_bytes)
+
+    monkeypatch.setattr(gguf_check, "_run_child", dying)
+    good = [demo_model_dir() / n for n in ("f16.gguf", "q4_k_m.gguf")]
+    found = check_gguf_isolated([good[0], bad, good[1]])
+    assert found[0] is None and found[2] is None
+    assert "over its memory limit" in (found[1] or "")
+    assert runs == [3, 1, 1, 1]

@@ -371,6 +371,33 @@ def test_the_check_is_bounded_in_fields_time_and_memory(
     assert starved.summary is None and "memory limit" in (starved.model or "")
 
 
+def test_a_child_that_dies_fails_only_the_graph_that_killed_it(
+    exported: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch whose child dies is checked again a graph at a time: only the graph that
+    did it is refused."""
+    from quantroute.registry import onnx_pair
+
+    real = onnx_pair._run_child
+    bad = (tmp_path / "bad.onnx", exported / "tokenizer.gguf")
+    bad[0].write_bytes((exported / "model.onnx").read_bytes())
+    runs: list[int] = []
+
+    def dying(pairs: list[Any], files: list[Any], timeout_s: float, memory: int) -> list[Any]:
+        runs.append(len(pairs))
+        if bad in pairs:  # fault injection: this graph "kills" any child that reads it
+            failed = f"{onnx_pair._CHILD_FAILED}took over {timeout_s:g} s (refused)"
+            return [onnx_pair.PairFound(model=failed)] * len(pairs)
+        return real(pairs, files, timeout_s, memory)
+
+    monkeypatch.setattr(onnx_pair, "_run_child", dying)
+    good = (exported / "model.onnx", exported / "tokenizer.gguf")
+    found = check_onnx_isolated([good, bad])
+    assert found[0].summary is not None and found[0].model is None
+    assert found[1].summary is None and "took over" in (found[1].model or "")
+    assert runs == [2, 1, 1]
+
+
 def test_a_tokenizer_replaced_on_disk_is_noticed(repo: Path) -> None:
     a = _scan(repo, isolated=False)["onnx_int8"]
     assert not a.replaced()

@@ -341,10 +341,13 @@ def check_gguf_isolated(
 ) -> list[str | None]:
     """:func:`check_gguf` of each path in one child process bounded in time and memory:
     per path, ``None`` (sound) or the reason it is refused. A child that runs out of
-    time or memory, or dies, refuses every path with that reason. The wanted metadata
-    of each sound file is kept (while the file's size, mtime and ctime are the ones
-    checked) for :func:`read_gguf_isolated`. Blocking: call it off the event loop."""
+    time or memory, or dies, is tried again with each path alone, so that only the file
+    that did it is refused (with that reason). The wanted metadata of each sound file is
+    kept (while the file's size, mtime and ctime are the ones checked) for
+    :func:`read_gguf_isolated`. Blocking: call it off the event loop."""
     found = _run_child(paths, timeout_s, memory_bytes)
+    if len(paths) > 1 and all(isinstance(f, str) and f.startswith(_CHILD_FAILED) for f in found):
+        found = [alone for path in paths for alone in _run_child([path], timeout_s, memory_bytes)]
     return [f if isinstance(f, str) else None for f in found]
 
 
@@ -371,6 +374,7 @@ def read_gguf_isolated(
     return found
 
 
+_CHILD_FAILED = "the GGUF check "  # how a whole child's failure begins
 _StatKey = tuple[str, int, int, int, int, int]
 _SUMMARIES: dict[_StatKey, GgufSummary] = {}  # the latest isolated checks' results
 _SUMMARIES_MAX = 256
@@ -398,7 +402,7 @@ def _run_child(paths: list[Path], timeout_s: float, memory_bytes: int) -> list[G
     try:
         done = subprocess.run(argv, capture_output=True, timeout=timeout_s, env=env, check=False)
     except subprocess.TimeoutExpired:
-        return [f"the GGUF check took over {timeout_s:g} s (refused)"] * len(paths)
+        return [f"{_CHILD_FAILED}took over {timeout_s:g} s (refused)"] * len(paths)
     try:
         answers = json.loads(done.stdout)
     except ValueError:
@@ -406,7 +410,7 @@ def _run_child(paths: list[Path], timeout_s: float, memory_bytes: int) -> list[G
     if done.returncode != 0 or not isinstance(answers, list) or len(answers) != len(paths):
         code = done.returncode
         why = f"exit status {code}" if code >= 0 else f"signal {-code}"
-        return [f"the GGUF check failed ({why}; over its memory limit?)"] * len(paths)
+        return [f"{_CHILD_FAILED}failed ({why}; over its memory limit?)"] * len(paths)
     found: list[GgufSummary | str] = []
     for path, key, answer in zip(paths, before, answers, strict=True):
         if isinstance(answer, dict):

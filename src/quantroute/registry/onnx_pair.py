@@ -119,15 +119,37 @@ def check_onnx_isolated(
 ) -> list[PairFound]:
     """:func:`check_onnx_pair` of each ``(model, tokenizer)`` (with ``data``'s entry: its
     external data file, if any) in one child process bounded in time and memory; a
-    child that runs out of either, or dies, refuses every graph
-    with that reason. Each sound graph's summary is kept (while its size, mtime and ctime
-    are the ones checked) for :func:`read_onnx_isolated`. Blocking: call it off the event
-    loop."""
-    if not pairs:
-        return []
-    files = data if data is not None else [None] * len(pairs)
+    child that runs out of either, or dies, is tried again with each pair alone, so that
+    only the graph that did it is refused (with that reason). Each sound graph's summary
+    is kept (while its size, mtime and ctime are the ones checked) for
+    :func:`read_onnx_isolated`. Blocking: call it off the event loop."""
+    files: list[DataFile | None] = list(data) if data is not None else [None] * len(pairs)
     if len(files) != len(pairs):
         raise ValueError("data needs one entry per pair")
+    found = _run_child(pairs, files, timeout_s, memory_bytes)
+    failed = [f.model is not None and f.model.startswith(_CHILD_FAILED) for f in found]
+    if len(pairs) > 1 and all(failed):
+        found = [
+            alone
+            for pair, file in zip(pairs, files, strict=True)
+            for alone in _run_child([pair], [file], timeout_s, memory_bytes)
+        ]
+    return found
+
+
+_CHILD_FAILED = "the ONNX check "  # how a whole child's failure begins
+
+
+def _run_child(
+    pairs: list[tuple[Path, Path | None]],
+    files: list[DataFile | None],
+    timeout_s: float,
+    memory_bytes: int,
+) -> list[PairFound]:
+    """One child over ``pairs``: what :func:`check_onnx_isolated` says of each, or the
+    child's failure for all of them."""
+    if not pairs:
+        return []
     before = [_stat_key(m) for m, _ in pairs]
     argv = [sys.executable, "-m", "quantroute.registry.onnx_child", "--memory-bytes"]
     argv.append(str(memory_bytes))
@@ -138,14 +160,13 @@ def check_onnx_isolated(
     try:
         done = subprocess.run(argv, capture_output=True, timeout=timeout_s, env=env, check=False)
     except subprocess.TimeoutExpired:
-        return [PairFound(model=f"the ONNX check took over {timeout_s:g} s (refused)")] * len(pairs)
+        return [PairFound(model=f"{_CHILD_FAILED}took over {timeout_s:g} s (refused)")] * len(pairs)
     found = _answers(done.stdout, len(pairs))
     if done.returncode != 0 or found is None:
         code = done.returncode
-        why = f"exit status {code}" if code >= 0 else f"signal {-code}"
-        return [PairFound(model=f"the ONNX check failed ({why}; over its memory limit?)")] * len(
-            pairs
-        )
+        status = f"exit status {code}" if code >= 0 else f"signal {-code}"
+        why = f"{_CHILD_FAILED}failed ({status}; over its memory limit?)"
+        return [PairFound(model=why)] * len(pairs)
     for (model, _), key, answer in zip(pairs, before, found, strict=True):
         if answer.summary is not None and key is not None and _stat_key(model) == key:
             with _LOCK:
