@@ -61,6 +61,17 @@ def demo_model_dir() -> Path:
     return DEMO_REPO / "tiny-llama"
 
 
+def demo_onnx_fp32(out: Path) -> tuple[Path, Path]:
+    """The demo's F16 GGUF exported as two fp32 ONNX folders under ``out``: ``single``
+    (the weights inside ``model.onnx``) and ``external`` (in ``model.onnx.data``)."""
+    from quantroute.demo.onnx_export import GgufSource, export_onnx
+
+    source = GgufSource.read(demo_model_dir() / "f16.gguf")
+    export_onnx(source, out / "single", "fp32")
+    export_onnx(source, out / "external", "fp32", external_data=True)
+    return out / "single", out / "external"
+
+
 def demo_repo_copy(root: Path, *, engine: str | None = None) -> Path:
     """A model repository holding a copy of the demo model (tests may change it);
     ``engine``: only its branches run by that engine (``llamacpp``: the three GGUF

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from qrtest import demo_model_dir
+from qrtest import demo_model_dir, demo_onnx_fp32
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
-from quantroute.demo.onnx_export import GgufSource, export_onnx
 from quantroute.engines.base import SamplingParams
 from quantroute.engines.llamacpp import wire
 from quantroute.engines.llamacpp.model_file import WorkerFiles
@@ -42,12 +41,9 @@ PROMPT = "def add(a, b):\n    return"
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The demo's F16 GGUF as fp32 folders: one file, and weights in model.onnx.data."""
-    out = tmp_path_factory.mktemp("onnx")
-    source = GgufSource.read(demo_model_dir() / "f16.gguf")
-    export_onnx(source, out / "single", "fp32")
-    export_onnx(source, out / "external", "fp32", external_data=True)
-    assert (out / "external" / DATA).is_file() and not (out / "single" / DATA).exists()
-    return out / "single", out / "external"
+    single, external = demo_onnx_fp32(tmp_path_factory.mktemp("onnx"))
+    assert (external / DATA).is_file() and not (single / DATA).exists()
+    return single, external
 
 
 def _model(path: Path | str, folder: Path, data: Path | str | None = None) -> OnnxModel:

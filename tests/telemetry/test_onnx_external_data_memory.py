@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qrtest import demo_model_dir
+from qrtest import demo_onnx_fp32
 from quantroute.errors import ConfigError
 from quantroute.registry.onnx_check import DataFile
 from quantroute.telemetry.memory_onnx import estimate_onnx_footprint, read_onnx_shape
@@ -20,13 +20,7 @@ DATA = "model.onnx.data"
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    from quantroute.demo.onnx_export import GgufSource, export_onnx
-
-    out = tmp_path_factory.mktemp("onnx")
-    source = GgufSource.read(demo_model_dir() / "f16.gguf")
-    export_onnx(source, out / "single", "fp32")
-    export_onnx(source, out / "external", "fp32", external_data=True)
-    return out / "single", out / "external"
+    return demo_onnx_fp32(tmp_path_factory.mktemp("onnx"))
 
 
 def test_w_counts_the_weights_in_the_data_file(folders: tuple[Path, Path]) -> None:
